@@ -1,0 +1,426 @@
+"""The Helix patch series: install into / check / revert from an installed SGLang, and the
+maintainer workflow (pristine tree, editable workspace, export, upstream branch).
+
+The series has two parts, both in this repository:
+
+- ``patches/NNNN-*.patch``: ``git format-patch`` files against the pinned SGLang release, with
+  upstream-repo paths (``a/python/sglang/...``). They only modify upstream files.
+- ``python/sglang/**``: new modules at their upstream import paths.
+
+Installing into a virtualenv applies the patches to ``site-packages/sglang`` (``git apply -p2``)
+and copies the new modules in. Whether the series is applied, and applied exactly, is decided
+against the wheel's own ``RECORD`` hashes: reverse-applying the series to a copy of the touched
+files must give back the pristine bytes. So ``check`` can say "applied", "pristine" or "modified",
+and ``revert`` returns the tree to exactly what pip installed.
+
+Commands (``python -m sglang_helix.series CMD``): install, check, revert, pristine DIR,
+workspace DIR, export DIR, upstream-branch CHECKOUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_helix import PINNED_SGLANG_VERSION
+
+REPO = Path(__file__).resolve().parents[2]
+PRISTINE_TAG = f"v{PINNED_SGLANG_VERSION}-pristine"
+GIT_ID = {
+    "GIT_AUTHOR_NAME": "sglang-helix",
+    "GIT_AUTHOR_EMAIL": "sglang-helix@localhost",
+    "GIT_COMMITTER_NAME": "sglang-helix",
+    "GIT_COMMITTER_EMAIL": "sglang-helix@localhost",
+}
+
+
+class SeriesError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# The series as files in this repository
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Series:
+    repo: Path = REPO
+
+    @property
+    def patches(self) -> list[Path]:
+        return sorted((self.repo / "patches").glob("*.patch"))
+
+    @property
+    def new_files(self) -> list[str]:
+        """New modules, as paths relative to ``python/`` (e.g. ``sglang/srt/helix/x.py``)."""
+        root = self.repo / "python"
+        out = []
+        for p in sorted((root / "sglang").rglob("*")) if (root / "sglang").exists() else []:
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+                out.append(p.relative_to(root).as_posix())
+        return out
+
+    def touched_files(self) -> list[str]:
+        """Upstream files the patches modify, relative to site-packages (``sglang/...``)."""
+        touched = []
+        for patch in self.patches:
+            for line in patch.read_text().splitlines():
+                if line.startswith("+++ ") or line.startswith("--- "):
+                    path = line[4:].strip()
+                    if path == "/dev/null":
+                        if line.startswith("+++ "):
+                            raise SeriesError(f"{patch.name} deletes a file; the series only edits")
+                        raise SeriesError(
+                            f"{patch.name} creates a file; new files belong in python/ instead"
+                        )
+                    rel = path.split("/", 1)[1]  # drop a/ or b/
+                    if not rel.startswith("python/"):
+                        raise SeriesError(f"{patch.name}: path {path} is outside python/")
+                    rel = rel[len("python/") :]
+                    if rel not in touched:
+                        touched.append(rel)
+        return touched
+
+
+# --------------------------------------------------------------------------------------------
+# The installed SGLang
+# --------------------------------------------------------------------------------------------
+def _run(cmd, cwd=None, check=True, env=None, capture=True):
+    full_env = dict(os.environ, **GIT_ID, **(env or {}))
+    r = subprocess.run(cmd, cwd=cwd, env=full_env, text=True, capture_output=capture)
+    if check and r.returncode != 0:
+        raise SeriesError(f"{' '.join(map(str, cmd))} failed:\n{r.stdout}{r.stderr}")
+    return r
+
+
+def _sha256_b64(path: Path) -> str:
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+@dataclass
+class Installed:
+    site: Path  # site-packages holding sglang/
+    version: str
+    record: dict[str, str]  # relative path -> sha256 (RECORD format)
+
+    @classmethod
+    def find(cls, python: str | None = None) -> "Installed":
+        import importlib.metadata as md
+
+        if python and Path(python).resolve() != Path(sys.executable).resolve():
+            raise SeriesError("run this module with the target environment's python")
+        try:
+            dist = md.distribution("sglang")
+        except md.PackageNotFoundError:
+            raise SeriesError("sglang is not installed in this environment") from None
+        site = Path(dist.locate_file(""))
+        record = {}
+        for f in dist.files or []:
+            if f.hash is not None and f.hash.mode == "sha256":
+                record[f.as_posix()] = f.hash.value
+        return cls(site=site, version=dist.version, record=record)
+
+    def require_pinned(self) -> None:
+        if self.version != PINNED_SGLANG_VERSION:
+            raise SeriesError(
+                f"installed sglang is {self.version}, but sglang-helix is pinned to "
+                f"sglang=={PINNED_SGLANG_VERSION}; install sglang=={PINNED_SGLANG_VERSION} "
+                f"in a fresh environment (bash scripts/setup.sh creates one in .venv/)"
+            )
+
+    def is_pristine(self, rel: str) -> bool:
+        p = self.site / rel
+        return p.exists() and self.record.get(rel) == _sha256_b64(p)
+
+
+# --------------------------------------------------------------------------------------------
+# install / check / revert
+# --------------------------------------------------------------------------------------------
+def _git_apply(patch: Path, cwd: Path, reverse=False, check_only=False):
+    cmd = ["git", "apply", "-p2", "--whitespace=nowarn"]
+    if reverse:
+        cmd.append("-R")
+    if check_only:
+        cmd.append("--check")
+    cmd.append(str(patch))
+    # --unsafe-paths is not needed: paths stay under cwd. GIT_DIR points nowhere so that an
+    # enclosing repository (a venv inside a checkout) never changes how paths are resolved.
+    return _run(cmd, cwd=cwd, check=False, env={"GIT_DIR": str(cwd / ".no-git")})
+
+
+def state(series: Series, inst: Installed) -> tuple[str, list[str]]:
+    """Return ("applied" | "pristine" | "modified", problems)."""
+    touched = series.touched_files()
+    problems = []
+    for rel in touched:
+        if rel not in inst.record:
+            problems.append(f"{rel}: not a file of the sglang {inst.version} wheel")
+    if problems:
+        return "modified", problems
+    new_present = [rel for rel in series.new_files if (inst.site / rel).exists()]
+    upstream_pristine = all(inst.is_pristine(rel) for rel in touched)
+    if upstream_pristine and not new_present:
+        return "pristine", []
+    # Reverse-apply the whole series to a copy of the touched files: it must give back the
+    # wheel's bytes, or the tree is not exactly "pristine + series".
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for rel in touched:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            if (inst.site / rel).exists():
+                shutil.copy2(inst.site / rel, tmp / rel)
+        for patch in reversed(series.patches):
+            r = _git_apply(patch, tmp, reverse=True)
+            if r.returncode != 0:
+                problems.append(f"{patch.name} is not applied: {r.stderr.strip()}")
+                break
+        if not problems:
+            for rel in touched:
+                if inst.record.get(rel) != _sha256_b64(tmp / rel):
+                    problems.append(f"{rel}: differs from pristine + series")
+    for rel in series.new_files:
+        src, dst = series.repo / "python" / rel, inst.site / rel
+        if not dst.exists():
+            problems.append(f"{rel}: new module missing")
+        elif dst.read_bytes() != src.read_bytes():
+            problems.append(f"{rel}: new module differs from python/{rel}")
+    return ("applied" if not problems else "modified"), problems
+
+
+def _clear_bytecode(inst: Installed, rels: list[str]) -> None:
+    for rel in rels:
+        p = inst.site / rel
+        cache = p.parent / "__pycache__"
+        if cache.is_dir():
+            for pyc in cache.glob(p.stem + ".*.pyc"):
+                pyc.unlink()
+
+
+def install(series: Series, inst: Installed) -> str:
+    inst.require_pinned()
+    st, problems = state(series, inst)
+    if st == "applied":
+        return f"sglang {inst.version}: series already applied ({len(series.patches)} patches, {len(series.new_files)} new modules)"
+    if st == "modified":
+        # Allow the one benign case: pristine upstream files with stale new modules from an
+        # older series version. Anything else is refused rather than guessed at.
+        if not all(inst.is_pristine(rel) for rel in series.touched_files()):
+            raise SeriesError(
+                "the installed sglang is neither pristine nor exactly this series:\n  "
+                + "\n  ".join(problems)
+                + "\nRun `bash scripts/setup.sh --revert` with the series that was installed, "
+                "or reinstall sglang (pip install --force-reinstall --no-deps sglang=="
+                f"{PINNED_SGLANG_VERSION})."
+            )
+    for patch in series.patches:
+        r = _git_apply(patch, inst.site)
+        if r.returncode != 0:
+            raise SeriesError(f"{patch.name} does not apply:\n{r.stderr}")
+    for rel in series.new_files:
+        dst = inst.site / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(series.repo / "python" / rel, dst)
+    _clear_bytecode(inst, series.touched_files() + series.new_files)
+    st, problems = state(series, inst)
+    if st != "applied":
+        raise SeriesError("series did not verify after install:\n  " + "\n  ".join(problems))
+    return f"sglang {inst.version}: applied {len(series.patches)} patches and {len(series.new_files)} new modules"
+
+
+def revert(series: Series, inst: Installed) -> str:
+    st, problems = state(series, inst)
+    if st == "pristine":
+        return f"sglang {inst.version}: already pristine"
+    if st != "applied":
+        raise SeriesError("cannot revert: " + "\n  ".join(problems))
+    for patch in reversed(series.patches):
+        r = _git_apply(patch, inst.site, reverse=True)
+        if r.returncode != 0:
+            raise SeriesError(f"reverting {patch.name} failed:\n{r.stderr}")
+    for rel in series.new_files:
+        (inst.site / rel).unlink()
+        parent = (inst.site / rel).parent
+        while parent != inst.site and parent.is_dir():
+            leftovers = [p for p in parent.iterdir() if p.name != "__pycache__"]
+            if leftovers:
+                break
+            shutil.rmtree(parent)
+            parent = parent.parent
+    _clear_bytecode(inst, series.touched_files() + series.new_files)
+    st, problems = state(series, inst)
+    if st != "pristine":
+        raise SeriesError("tree is not pristine after revert:\n  " + "\n  ".join(problems))
+    return f"sglang {inst.version}: reverted to pristine"
+
+
+def check(series: Series, inst: Installed) -> tuple[bool, str]:
+    st, problems = state(series, inst)
+    n = len(series.patches)
+    if st == "applied":
+        lines = [f"sglang {inst.version}: series applied ({n} patches, {len(series.new_files)} new modules)"]
+        lines += [f"  applied  {p.name}" for p in series.patches]
+        return True, "\n".join(lines)
+    if st == "pristine":
+        return True, f"sglang {inst.version}: pristine (series not applied; all {len(series.touched_files())} touched files match the wheel's RECORD)"
+    return False, f"sglang {inst.version}: modified\n  " + "\n  ".join(problems)
+
+
+# --------------------------------------------------------------------------------------------
+# Maintainer workflow: pristine tree, workspace, export, upstream branch
+# --------------------------------------------------------------------------------------------
+def pinned_wheel(cache: Path = REPO / ".cache" / "wheels") -> Path:
+    if not list(cache.glob(f"sglang-{PINNED_SGLANG_VERSION}-*.whl")):
+        cache.mkdir(parents=True, exist_ok=True)
+        _run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+             "-d", str(cache), f"sglang=={PINNED_SGLANG_VERSION}"],
+        )  # fmt: skip
+    wheels = list(cache.glob(f"sglang-{PINNED_SGLANG_VERSION}-*.whl"))
+    if not wheels:
+        raise SeriesError(f"no sglang {PINNED_SGLANG_VERSION} wheel in {cache}")
+    return wheels[0]
+
+
+def make_pristine(dest: Path, wheel: Path | None = None) -> Path:
+    """A git repository whose one commit is the pinned wheel's ``sglang/`` under ``python/``."""
+    wheel = wheel or pinned_wheel()
+    if dest.exists() and any(dest.iterdir()):
+        raise SeriesError(f"{dest} exists and is not empty")
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        for member in z.namelist():
+            if member.startswith("sglang/") and not member.endswith("/"):
+                target = dest / "python" / member
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(z.read(member))
+    _run(["git", "init", "-q", "-b", "main"], cwd=dest)
+    _run(["git", "config", "core.autocrlf", "false"], cwd=dest)
+    _run(["git", "add", "-A"], cwd=dest)
+    _run(["git", "commit", "-q", "-m", f"sglang {PINNED_SGLANG_VERSION} (pristine, from the PyPI wheel)"], cwd=dest)
+    _run(["git", "tag", PRISTINE_TAG], cwd=dest)
+    return dest
+
+
+def _git_am(series: Series, checkout: Path) -> None:
+    if series.patches:
+        r = _run(["git", "am", "--keep-cr", "--committer-date-is-author-date",
+                  *map(str, series.patches)], cwd=checkout, check=False)  # fmt: skip
+        if r.returncode != 0:
+            _run(["git", "am", "--abort"], cwd=checkout, check=False)
+            raise SeriesError(f"git am failed:\n{r.stdout}{r.stderr}")
+
+
+def make_workspace(series: Series, dest: Path, wheel: Path | None = None) -> Path:
+    """Pristine tree + the series as one commit per patch, ready to edit and ``export``."""
+    make_pristine(dest, wheel)
+    _git_am(series, dest)
+    return dest
+
+
+def export(series: Series, workspace: Path) -> list[Path]:
+    """Write ``PRISTINE_TAG..HEAD`` of ``workspace`` back to ``patches/`` (replacing it)."""
+    r = _run(["git", "status", "--porcelain"], cwd=workspace)
+    if r.stdout.strip():
+        raise SeriesError(f"{workspace} has uncommitted changes; commit them first:\n{r.stdout}")
+    with tempfile.TemporaryDirectory() as tmp:
+        _run(["git", "format-patch", "--zero-commit", "--no-signature", "--full-index",
+              "-o", tmp, f"{PRISTINE_TAG}..HEAD"], cwd=workspace)  # fmt: skip
+        out = series.repo / "patches"
+        for old in out.glob("*.patch"):
+            old.unlink()
+        out.mkdir(exist_ok=True)
+        written = []
+        for p in sorted(Path(tmp).glob("*.patch")):
+            shutil.copyfile(p, out / p.name)
+            written.append(out / p.name)
+    series.touched_files()  # refuse a series that creates or deletes files
+    return written
+
+
+def upstream_branch(series: Series, checkout: Path, branch: str) -> str:
+    """Turn the series into ``branch`` on an sglang git checkout at the pinned release.
+
+    The first commit adds the new modules (nothing imports them yet, so it is inert), then
+    one commit per patch, with the patch's own message.
+    """
+    if not (checkout / "python" / "sglang" / "version.py").exists():
+        raise SeriesError(f"{checkout} is not an sglang checkout (no python/sglang/version.py)")
+    tag = _run(["git", "describe", "--tags", "--exact-match", "HEAD"], cwd=checkout, check=False)
+    generated = checkout / "python" / "sglang" / "_version.py"
+    at_pin = tag.stdout.strip() in (f"v{PINNED_SGLANG_VERSION}", PRISTINE_TAG) or (
+        generated.exists() and f"'{PINNED_SGLANG_VERSION}'" in generated.read_text()
+    )
+    if not at_pin:
+        raise SeriesError(
+            f"{checkout} is not at sglang {PINNED_SGLANG_VERSION} "
+            f"(git describe: {tag.stdout.strip() or tag.stderr.strip()}); check out v{PINNED_SGLANG_VERSION} first"
+        )
+    _run(["git", "checkout", "-q", "-b", branch], cwd=checkout)
+    for rel in series.new_files:
+        dst = checkout / "python" / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(series.repo / "python" / rel, dst)
+        _run(["git", "add", f"python/{rel}"], cwd=checkout)
+    if series.new_files:
+        _run(["git", "commit", "-q", "-m", "[Helix] Add Helix parallelism modules\n\n"
+              "New modules for Helix parallelism (KVP x TPA attention, All-to-All LSE merge).\n"
+              "Nothing imports them until the following commits wire them in."], cwd=checkout)  # fmt: skip
+    _git_am(series, checkout)
+    return f"branch {branch} on {checkout}: {len(series.patches)} patches" + (" + new modules" if series.new_files else "")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_helix.series", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("install", help="apply the series to the installed sglang (no-op if applied)")
+    sub.add_parser("check", help="report applied / pristine / modified (exit 1 if modified)")
+    sub.add_parser("revert", help="return the installed sglang to the wheel's bytes")
+    for name, helptext in [
+        ("pristine", "write a git repo of the pinned wheel's sources"),
+        ("workspace", "pristine repo + the series as commits, to edit"),
+        ("export", "write a workspace's commits back to patches/"),
+    ]:
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("dir", type=Path)
+    sp = sub.add_parser("upstream-branch", help="make a PR branch on an sglang git checkout")
+    sp.add_argument("checkout", type=Path)
+    sp.add_argument("--branch", default="helix-parallelism")
+    args = p.parse_args(argv)
+    series = Series()
+    try:
+        if args.cmd in ("install", "check", "revert"):
+            inst = Installed.find()
+            if args.cmd == "install":
+                print(install(series, inst))
+            elif args.cmd == "revert":
+                print(revert(series, inst))
+            else:
+                ok, msg = check(series, inst)
+                print(msg)
+                return 0 if ok else 1
+        elif args.cmd == "pristine":
+            print(make_pristine(args.dir))
+        elif args.cmd == "workspace":
+            print(make_workspace(series, args.dir))
+        elif args.cmd == "export":
+            for w in export(series, args.dir):
+                print(w.relative_to(series.repo))
+        elif args.cmd == "upstream-branch":
+            print(upstream_branch(series, args.checkout, args.branch))
+    except SeriesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

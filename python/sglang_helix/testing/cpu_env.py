@@ -1,0 +1,42 @@
+"""The environment SGLang's CPU engine needs (see docs/cpu-harness.md)."""
+
+from __future__ import annotations
+
+import os
+
+STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgl_kernel_stub")
+
+
+def omp_threads_bind(num_ranks: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND``: one core per rank, round-robin over the usable cores.
+
+    SGLang asserts one entry per TP rank; on a 2-core machine 4 ranks share cores (``0|1|0|1``).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[r % len(cores)]) for r in range(num_ranks))
+
+
+def cpu_server_env(
+    num_ranks: int,
+    attention_backend: str = "torch_native",
+    stub_log: str | None = None,
+    base: dict | None = None,
+) -> dict:
+    """Environment for ``python -m sglang.launch_server --device cpu`` with ``num_ranks`` ranks."""
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(num_ranks)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STUB_DIR, env.get("PYTHONPATH", "")) if p)
+    # Triton kernels run on CPU tensors under the interpreter: slow but exact.
+    if attention_backend == "triton":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    if stub_log:
+        env["SGL_KERNEL_STUB_LOG"] = stub_log
+    # Nothing may be fetched at run time.
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

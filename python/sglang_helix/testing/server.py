@@ -1,0 +1,202 @@
+"""Start the real ``python -m sglang.launch_server`` on the CPU, wait for it, and always clean up.
+
+``CpuServer`` is a context manager:
+
+    with CpuServer(model_path, ["--tp", "4"], attention_backend="triton") as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none")
+
+It picks a free loopback port, runs the server in its own session (process group), polls
+``/health_generate`` until it answers (bounded by ``startup_timeout``), and on failure raises with
+the tail of the server log. ``stop()`` terminates the whole process tree (the launcher, scheduler
+ranks, detokenizer, ...) and verifies every process is gone: no orphans outlive a test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from sglang_helix.testing.cpu_env import cpu_server_env
+
+
+DEFAULT_MAX_TOTAL_TOKENS = 65536
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_size(args: list[str]) -> int:
+    for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
+        if flag in args:
+            return int(args[args.index(flag) + 1])
+    return 1
+
+
+class CpuServer:
+    def __init__(
+        self,
+        model_path: str,
+        args: list[str] = (),
+        attention_backend: str = "torch_native",
+        startup_timeout: float = 600.0,
+        log_dir: str | None = None,
+        extra_env: dict | None = None,
+        python: str = sys.executable,
+    ):
+        self.model_path = model_path
+        self.args = list(args)
+        self.attention_backend = attention_backend
+        self.startup_timeout = startup_timeout
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        log_dir = log_dir or tempfile.mkdtemp(prefix="sglang-cpu-")
+        self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
+        self.stub_log = os.path.join(log_dir, f"sgl-kernel-stub-{self.port}.log")
+        self.extra_env = dict(extra_env or {})
+        self.python = python
+        self.proc: subprocess.Popen | None = None
+        self.tree_pids: set[int] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--device", "cpu",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--attention-backend", self.attention_backend,
+            "--dtype", "float32",
+            "--skip-server-warmup",
+            *self.args,
+        ]  # fmt: skip
+        # The CPU engine sizes the KV pool from free *system* memory: bound it, or every rank of
+        # a multi-rank server tries to take most of the machine.
+        if not any(a in self.args for a in ("--max-total-tokens", "--mem-fraction-static")):
+            cmd += ["--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS)]
+        return cmd
+
+    def start(self) -> "CpuServer":
+        env = cpu_server_env(_tp_size(self.args), self.attention_backend, self.stub_log)
+        env.update(self.extra_env)
+        open(self.stub_log, "w").close()
+        self._log = open(self.log_path, "w")
+        self._log.write("$ " + " ".join(self.command()) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            self._snapshot_tree()
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with code {self.proc.returncode} before it was ready\n"
+                    + self.log_tail()
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/health_generate", timeout=60) as r:
+                    if r.status == 200:
+                        self._snapshot_tree()
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerStartError(
+            f"server not ready after {self.startup_timeout:.0f}s\n" + self.log_tail()
+        )
+
+    def _snapshot_tree(self) -> None:
+        import psutil
+
+        if self.proc is None:
+            return
+        try:
+            root = psutil.Process(self.proc.pid)
+            self.tree_pids.add(root.pid)
+            self.tree_pids.update(c.pid for c in root.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Terminate the server and every process it spawned; raise if any survives."""
+        import psutil
+
+        if self.proc is None:
+            return
+        self._snapshot_tree()
+        procs = []
+        for pid in self.tree_pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(procs, timeout=grace if sig == signal.SIGTERM else 10)
+            procs = alive
+            if not procs:
+                break
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+        self.proc = None
+        survivors = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if survivors:
+            raise RuntimeError(f"server processes survived shutdown: {survivors}")
+
+    def __enter__(self) -> "CpuServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- inspection ----------------------------------------------------------------------------
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, n: int = 80) -> str:
+        lines = self.log_text().splitlines()[-n:]
+        return f"--- server log tail ({self.log_path}) ---\n" + "\n".join(lines)
+
+    def stub_calls(self) -> list[str]:
+        with open(self.stub_log) as f:
+            return [line.strip() for line in f if line.strip()]

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Set up sglang-helix: a virtualenv in .venv/ with sglang==0.5.23 (as a user installs it), the test
+# dependencies, and the Helix series (patches/ + python/sglang/**) installed into it.
+#
+#   bash scripts/setup.sh            create/update .venv and apply the series (no-op when done)
+#   bash scripts/setup.sh --check    report whether the series is applied, pristine, or modified
+#   bash scripts/setup.sh --revert   return the installed sglang to the wheel's exact bytes
+#
+# Environment: PYTHON (interpreter for a new venv, default python3.11 or python3).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PIN="0.5.23"
+MODE="${1:-install}"
+
+case "$MODE" in
+  install|--check|--revert) ;;
+  -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+  *) echo "setup.sh: unknown option '$MODE' (use --check, --revert or nothing)" >&2; exit 2 ;;
+esac
+
+series() { "$VENV/bin/python" -m sglang_helix.series "$@"; }
+
+if [ "$MODE" != install ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup.sh: no environment at $VENV; run 'bash scripts/setup.sh' first" >&2; exit 1
+  fi
+  [ "$MODE" = --check ] && exec "$VENV/bin/python" -m sglang_helix.series check
+  exec "$VENV/bin/python" -m sglang_helix.series revert
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+  echo "setup.sh: creating $VENV with $("$PY" --version 2>&1)"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+
+installed="$("$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+try:
+    print(md.version("sglang"))
+except md.PackageNotFoundError:
+    print("")
+PY
+)"
+if [ -n "$installed" ] && [ "$installed" != "$PIN" ]; then
+  echo "setup.sh: $VENV has sglang $installed, but sglang-helix is pinned to sglang==$PIN." >&2
+  echo "setup.sh: refusing to change it; remove $VENV (or use another checkout) and re-run." >&2
+  exit 1
+fi
+if [ -z "$installed" ]; then
+  echo "setup.sh: installing sglang==$PIN (a few minutes on a fresh machine)"
+  "$VENV/bin/python" -m pip install -q "sglang==$PIN"
+fi
+
+# Test dependencies and our own tooling package (python/sglang_helix), editable.
+if ! "$VENV/bin/python" -c "import pytest, openai, psutil, tokenizers, safetensors, sglang_helix" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+fi
+
+series install
