@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -205,31 +206,79 @@ def _clear_bytecode(inst: Installed, rels: list[str]) -> None:
                 pyc.unlink()
 
 
+MANIFEST_DIR = ".sglang-helix-series"  # in site-packages: what install() changed, and backups
+
+
+def _manifest(inst: Installed) -> Path:
+    return inst.site / MANIFEST_DIR / "manifest.json"
+
+
+def _restore_pristine(inst: Installed, series: Series | None = None) -> list[str]:
+    """Undo whatever series install() last applied, from its backups; return the touched files."""
+    manifest = _manifest(inst)
+    if manifest.exists():
+        data = json.loads(manifest.read_text())
+        backups = inst.site / MANIFEST_DIR / "pristine"
+        for rel in data["touched"]:
+            shutil.copyfile(backups / rel, inst.site / rel)
+    elif series is not None and state(series, inst)[0] == "applied":
+        # No record (e.g. applied by hand), but the tree is exactly pristine + this series.
+        data = {"touched": series.touched_files(), "new_files": series.new_files}
+        for patch in reversed(series.patches):
+            r = _git_apply(patch, inst.site, reverse=True)
+            if r.returncode != 0:
+                raise SeriesError(f"reverting {patch.name} failed:\n{r.stderr}")
+    else:
+        return []
+    for rel in data["new_files"]:
+        (inst.site / rel).unlink(missing_ok=True)
+        parent = (inst.site / rel).parent
+        while parent != inst.site and parent.is_dir():
+            if any(p.name != "__pycache__" for p in parent.iterdir()):
+                break
+            shutil.rmtree(parent)
+            parent = parent.parent
+    _clear_bytecode(inst, data["touched"] + data["new_files"])
+    bad = [rel for rel in data["touched"] if not inst.is_pristine(rel)]
+    if bad:
+        raise SeriesError(f"restored files do not match the wheel's RECORD: {bad}")
+    shutil.rmtree(inst.site / MANIFEST_DIR, ignore_errors=True)
+    return data["touched"]
+
+
 def install(series: Series, inst: Installed) -> str:
+    """Apply the series; if another version of it is installed, undo that one first."""
     inst.require_pinned()
     st, problems = state(series, inst)
-    if st == "applied":
+    if st == "applied" and _manifest(inst).exists():
         return f"sglang {inst.version}: series already applied ({len(series.patches)} patches, {len(series.new_files)} new modules)"
-    if st == "modified":
-        # Allow the one benign case: pristine upstream files with stale new modules from an
-        # older series version. Anything else is refused rather than guessed at.
-        if not all(inst.is_pristine(rel) for rel in series.touched_files()):
-            raise SeriesError(
-                "the installed sglang is neither pristine nor exactly this series:\n  "
-                + "\n  ".join(problems)
-                + "\nRun `bash scripts/setup.sh --revert` with the series that was installed, "
-                "or reinstall sglang (pip install --force-reinstall --no-deps sglang=="
-                f"{PINNED_SGLANG_VERSION})."
-            )
+    _restore_pristine(inst, series)
+    touched = series.touched_files()
+    bad = [rel for rel in touched if not inst.is_pristine(rel)]
+    if bad:
+        raise SeriesError(
+            "these sglang files differ from the wheel and no series install recorded why: "
+            f"{bad}. Reinstall sglang (pip install --force-reinstall --no-deps "
+            f"sglang=={PINNED_SGLANG_VERSION}) and re-run."
+        )
+    backups = inst.site / MANIFEST_DIR / "pristine"
+    for rel in touched:
+        (backups / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(inst.site / rel, backups / rel)
+    _manifest(inst).write_text(json.dumps({"touched": touched, "new_files": series.new_files}, indent=1))
     for patch in series.patches:
         r = _git_apply(patch, inst.site)
         if r.returncode != 0:
-            raise SeriesError(f"{patch.name} does not apply:\n{r.stderr}")
+            _restore_pristine(inst)
+            raise SeriesError(f"{patch.name} does not apply (tree restored to pristine):\n{r.stderr}")
     for rel in series.new_files:
         dst = inst.site / rel
+        if dst.exists():
+            _restore_pristine(inst)
+            raise SeriesError(f"new module {rel} would overwrite an upstream file")
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(series.repo / "python" / rel, dst)
-    _clear_bytecode(inst, series.touched_files() + series.new_files)
+    _clear_bytecode(inst, touched + series.new_files)
     st, problems = state(series, inst)
     if st != "applied":
         raise SeriesError("series did not verify after install:\n  " + "\n  ".join(problems))
@@ -237,29 +286,14 @@ def install(series: Series, inst: Installed) -> str:
 
 
 def revert(series: Series, inst: Installed) -> str:
-    st, problems = state(series, inst)
-    if st == "pristine":
-        return f"sglang {inst.version}: already pristine"
-    if st != "applied":
-        raise SeriesError("cannot revert: " + "\n  ".join(problems))
-    for patch in reversed(series.patches):
-        r = _git_apply(patch, inst.site, reverse=True)
-        if r.returncode != 0:
-            raise SeriesError(f"reverting {patch.name} failed:\n{r.stderr}")
-    for rel in series.new_files:
-        (inst.site / rel).unlink()
-        parent = (inst.site / rel).parent
-        while parent != inst.site and parent.is_dir():
-            leftovers = [p for p in parent.iterdir() if p.name != "__pycache__"]
-            if leftovers:
-                break
-            shutil.rmtree(parent)
-            parent = parent.parent
-    _clear_bytecode(inst, series.touched_files() + series.new_files)
+    """Return every file a series install changed to the wheel's bytes, remove new modules."""
+    touched = _restore_pristine(inst, series)
     st, problems = state(series, inst)
     if st != "pristine":
         raise SeriesError("tree is not pristine after revert:\n  " + "\n  ".join(problems))
-    return f"sglang {inst.version}: reverted to pristine"
+    if not touched:
+        return f"sglang {inst.version}: already pristine"
+    return f"sglang {inst.version}: reverted {len(touched)} files to pristine"
 
 
 def check(series: Series, inst: Installed) -> tuple[bool, str]:
