@@ -10,7 +10,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+VENV="${HELIX_VENV:-$ROOT/.venv}"  # HELIX_VENV: another environment (tests use it)
 PIN="0.5.23"
 MODE="${1:-install}"
 

@@ -346,7 +346,7 @@ def make_pristine(dest: Path, wheel: Path | None = None) -> Path:
 
 def _git_am(series: Series, checkout: Path) -> None:
     if series.patches:
-        r = _run(["git", "am", "--keep-cr", "--committer-date-is-author-date",
+        r = _run(["git", "am", "--keep-cr", "--keep-non-patch", "--committer-date-is-author-date",
                   *map(str, series.patches)], cwd=checkout, check=False)  # fmt: skip
         if r.returncode != 0:
             _run(["git", "am", "--abort"], cwd=checkout, check=False)

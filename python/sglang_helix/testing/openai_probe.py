@@ -1,0 +1,135 @@
+"""Send the standard probe requests through SGLang's OpenAI-compatible API and compare layouts.
+
+``Generation`` is one greedy answer: its token strings, their logprobs, and the top-2 logprobs at
+each step. ``assert_same_generation`` compares a candidate against a reference:
+
+- tokens must be equal up to the first step where the *reference* is indecisive (top-1 minus
+  top-2 logprob below ``MARGIN``): past that point two exact-up-to-rounding layouts may
+  legitimately diverge, so nothing after it is compared;
+- every compared step's logprob, and its top-2 logprobs, must agree within ``atol``.
+
+float32 layouts that only reassociate sums agree to ~1e-5 in logprob on the tiny models; a wrong
+attention result (a KV shard missing, duplicated, or merged with the wrong weights) moves them by
+orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MARGIN = 1e-3  # nats: a step decided by less than this is not compared
+LOGPROB_ATOL = 1e-4  # float32
+
+PROMPTS = [
+    "the quick brown fox",
+    "attention head query key value cache token sequence shard rank merge parallel helix",
+    " ".join(["river mountain city garden music paper light stone water fire"] * 6),
+    "a",
+]
+CHAT = [
+    {"role": "system", "content": "you are a tiny model"},
+    {"role": "user", "content": "decode the long context with helix please"},
+]
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[str]
+    logprobs: list[float]
+    top2: list[list[float]] = field(default_factory=list)  # sorted descending
+
+    def decisive_prefix(self, margin: float = MARGIN) -> int:
+        for i, t in enumerate(self.top2):
+            if len(t) > 1 and t[0] - t[1] < margin:
+                return i + 1  # step i itself is compared (its token is the reference's pick)
+        return len(self.tokens)
+
+
+def assert_same_generation(ref: Generation, got: Generation, atol: float = LOGPROB_ATOL, what: str = ""):
+    n = ref.decisive_prefix()
+    assert got.tokens[:n] == ref.tokens[:n], f"{what}: tokens differ within the decisive prefix ({n})\nref={ref.tokens[:n]}\ngot={got.tokens[:n]}"
+    for i in range(n):
+        d = abs(got.logprobs[i] - ref.logprobs[i])
+        assert d <= atol, f"{what}: step {i} logprob {got.logprobs[i]} vs {ref.logprobs[i]} (|d|={d:.2e} > {atol})"
+        for a, b in zip(got.top2[i], ref.top2[i]):
+            assert abs(a - b) <= atol, f"{what}: step {i} top-2 logprobs {got.top2[i]} vs {ref.top2[i]}"
+
+
+def _top2(d) -> list[float]:
+    if d is None:
+        return []
+    if isinstance(d, dict):
+        vals = list(d.values())
+    else:  # chat: list of objects with .logprob
+        vals = [x.logprob for x in d]
+    return sorted(vals, reverse=True)[:2]
+
+
+def completions(client, prompts=PROMPTS, max_tokens: int = 16) -> list[Generation]:
+    r = client.completions.create(
+        model="default", prompt=list(prompts), max_tokens=max_tokens, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    out = [None] * len(prompts)
+    for c in r.choices:
+        lp = c.logprobs
+        out[c.index] = Generation(c.text, list(lp.tokens), list(lp.token_logprobs), [_top2(t) for t in lp.top_logprobs])
+    return out
+
+
+def completion_stream(client, prompt: str = PROMPTS[1], max_tokens: int = 16) -> str:
+    stream = client.completions.create(
+        model="default", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def chat(client, messages=CHAT, max_tokens: int = 16) -> Generation:
+    r = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    c = r.choices[0]
+    content = c.logprobs.content
+    return Generation(c.message.content, [t.token for t in content], [t.logprob for t in content], [_top2(t.top_logprobs) for t in content])
+
+
+def chat_stream(client, messages=CHAT, max_tokens: int = 16) -> str:
+    stream = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    return "".join((chunk.choices[0].delta.content or "") for chunk in stream if chunk.choices)
+
+
+@dataclass
+class ProbeResult:
+    completions: list[Generation]
+    completion_stream: str
+    chat: Generation
+    chat_stream: str
+
+
+def probe(base_url: str, max_tokens: int = 16) -> ProbeResult:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=600, max_retries=0)
+    return ProbeResult(
+        completions=completions(client, max_tokens=max_tokens),
+        completion_stream=completion_stream(client, max_tokens=max_tokens),
+        chat=chat(client, max_tokens=max_tokens),
+        chat_stream=chat_stream(client, max_tokens=max_tokens),
+    )
+
+
+def assert_same_probe(ref: ProbeResult, got: ProbeResult, atol: float = LOGPROB_ATOL, what: str = ""):
+    for i, (r, g) in enumerate(zip(ref.completions, got.completions)):
+        assert_same_generation(r, g, atol, f"{what} completion[{i}]")
+    assert_same_generation(ref.chat, got.chat, atol, f"{what} chat")
+    # Streaming must deliver the non-streaming text of the same layout (where greedy is decisive).
+    if ref.completions[1].decisive_prefix() == len(ref.completions[1].tokens):
+        assert got.completion_stream == got.completions[1].text, f"{what}: streamed completion differs"
+    if ref.chat.decisive_prefix() == len(ref.chat.tokens):
+        assert got.chat_stream == got.chat.text, f"{what}: streamed chat differs"

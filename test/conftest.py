@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny models and real SGLang servers on the CPU (see docs/cpu-harness.md)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sglang_helix.testing.server import CpuServer
+from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
+
+# GQA: 8 query heads, 4 KV heads (K = N at --tp 4).
+GQA = TinyLlamaSpec(num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """``model_dir(spec)`` writes (once per session) and returns a tiny Llama checkpoint."""
+    root = tmp_path_factory.mktemp("models")
+    cache = {}
+
+    def make(spec: TinyLlamaSpec = GQA) -> str:
+        if spec not in cache:
+            name = f"llama_q{spec.num_heads}_k{spec.num_kv_heads}_d{spec.head_dim}_l{spec.num_layers}_s{spec.seed}"
+            cache[spec] = write_tiny_llama(str(root / name), spec)
+        return cache[spec]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def server_log_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("server-logs"))
+
+
+def start_server(model_path: str, args: list[str], backend: str, log_dir: str) -> CpuServer:
+    timeout = float(os.environ.get("HELIX_TEST_STARTUP_TIMEOUT", "900"))
+    return CpuServer(model_path, args, attention_backend=backend, startup_timeout=timeout, log_dir=log_dir).start()
+
+
+def stop_server(srv: CpuServer) -> None:
+    """Stop ``srv``; fail if any process survived or any sgl_kernel stub function was called."""
+    calls = srv.stub_calls()
+    srv.stop()  # raises if a process of the tree survives
+    assert not calls, f"sgl_kernel stub functions were called: {calls}"
