@@ -1,0 +1,53 @@
+"""Baseline: plain TP through the OpenAI API, the reference every Helix test compares to.
+
+--tp 1/2/4 on both attention backends (torch_native; triton under TRITON_INTERPRET=1) must give
+the same greedy tokens as --tp 1 torch_native and per-token logprobs (and top-2 logprobs) within
+LOGPROB_ATOL (1e-4 nats, float32), for batched completions, a streamed completion, a chat
+completion and a streamed chat completion.
+"""
+
+import pytest
+
+from conftest import GQA, start_server, stop_server
+from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_probe, probe
+
+REFERENCE = (1, "torch_native")
+LAYOUTS = [REFERENCE, (2, "torch_native"), (4, "torch_native"), (1, "triton"), (2, "triton"), (4, "triton")]
+
+_results = {}
+
+
+def run_layout(model_path, tp, backend, log_dir):
+    if (tp, backend) not in _results:
+        srv = start_server(model_path, ["--tp", str(tp)], backend, log_dir)
+        try:
+            _results[(tp, backend)] = probe(srv.base_url)
+        finally:
+            stop_server(srv)
+    return _results[(tp, backend)]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("tp,backend", LAYOUTS, ids=[f"tp{t}-{b}" for t, b in LAYOUTS])
+def test_layout_matches_tp1(model_dir, server_log_dir, tp, backend):
+    ref = run_layout(model_dir(GQA), *REFERENCE, server_log_dir)
+    got = run_layout(model_dir(GQA), tp, backend, server_log_dir)
+    assert len(got.completions) == 4 and all(len(g.tokens) == 16 for g in got.completions)
+    assert_same_probe(ref, got, LOGPROB_ATOL, what=f"tp{tp}/{backend}")
+
+
+def test_comparison_detects_a_perturbed_logprob():
+    """The comparison itself can fail: a logprob moved by 10x the tolerance is caught."""
+    from copy import deepcopy
+
+    from sglang_helix.testing.openai_probe import Generation, assert_same_generation
+
+    ref = Generation("ab", ["a", "b"], [-0.1, -0.2], [[-0.1, -3.0], [-0.2, -2.0]])
+    bad = deepcopy(ref)
+    bad.logprobs[1] += 10 * LOGPROB_ATOL
+    with pytest.raises(AssertionError, match="step 1 logprob"):
+        assert_same_generation(ref, bad)
+    other = deepcopy(ref)
+    other.tokens[0] = "c"
+    with pytest.raises(AssertionError, match="tokens differ"):
+        assert_same_generation(ref, other)
