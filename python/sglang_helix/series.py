@@ -366,7 +366,7 @@ def export(series: Series, workspace: Path) -> list[Path]:
     if r.stdout.strip():
         raise SeriesError(f"{workspace} has uncommitted changes; commit them first:\n{r.stdout}")
     with tempfile.TemporaryDirectory() as tmp:
-        _run(["git", "format-patch", "--zero-commit", "--no-signature", "--full-index",
+        _run(["git", "format-patch", "-N", "--zero-commit", "--no-signature", "--full-index",
               "-o", tmp, f"{PRISTINE_TAG}..HEAD"], cwd=workspace)  # fmt: skip
         out = series.repo / "patches"
         for old in out.glob("*.patch"):
