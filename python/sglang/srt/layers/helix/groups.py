@@ -93,3 +93,19 @@ def get_helix_tpa_group():
     from sglang.srt.runtime_context import get_parallel
 
     return get_parallel().helix_tpa_group
+
+
+def helix_attention_tp():
+    """``(attn_tp_size, qkv_parallel_group)`` for an attention layer's head sharding.
+
+    Helix on: ``(TPA, ReplicatedParallelGroup("tp", KVP))``: ``qkv_proj`` is sharded over TPA and
+    replicated over the KVP ranks of a TPA slice (rank ``tp_rank // KVP``). Helix off:
+    ``(tp_size, None)``, i.e. exactly what the layer did before.
+    """
+    from sglang.srt.layers.linear import ReplicatedParallelGroup
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    if not parallel.helix_enabled:
+        return parallel.tp_size, None
+    return parallel.helix_tpa_size, ReplicatedParallelGroup("tp", parallel.helix_kvp_size)
