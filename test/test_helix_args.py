@@ -1,0 +1,498 @@
+"""The Helix flags and their fail-fast validation (sglang/srt/arg_groups/helix_hook.py).
+
+Everything but the two ``launch_server`` tests runs SGLang's own argument path in-process:
+``prepare_server_args(argv)`` (what ``python -m sglang.launch_server`` calls) and
+``ServerArgs.resolve_once()`` (the resolution pipeline ``run_server`` starts with), against tiny
+Llama checkpoints. No server starts, no weights load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import pytest
+
+from sglang_helix.testing.cpu_env import STUB_DIR, cpu_server_env
+from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
+
+HELIX_FIELDS = ("helix_kvp_size", "helix_tpa_size", "helix_kvp_chunk_size")
+HOOK_SOURCE = "handle_helix_parallelism"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_engine_env():
+    """Without a GPU, resolve as the CPU server does: ``SGLANG_USE_CPU_ENGINE=1`` and the
+    sgl_kernel stub first on the path (the real wheel cannot load without libcuda, and the CPU
+    platform's resolution imports it). With a GPU the platform is left alone: SGLang caches it
+    per process, and this process may run GPU tests after these."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        if not torch.cuda.is_available():
+            mp.setenv("SGLANG_USE_CPU_ENGINE", "1")
+            mp.syspath_prepend(STUB_DIR)
+        yield
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """``model(q, k)``: a tiny Llama with q query heads and k KV heads (written once)."""
+    root = tmp_path_factory.mktemp("helix-args-models")
+    cache = {}
+
+    def make(q: int = 8, k: int = 4) -> str:
+        if (q, k) not in cache:
+            cache[(q, k)] = write_tiny_llama(
+                str(root / f"q{q}k{k}"), TinyLlamaSpec(num_heads=q, num_kv_heads=k)
+            )
+        return cache[(q, k)]
+
+    return make
+
+
+def parse(model_path: str, args: list[str]):
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(["--model-path", model_path, "--device", "cpu", *args])
+
+
+def resolve(model_path: str, args: list[str]):
+    server_args = parse(model_path, args)
+    server_args.resolve_once()
+    return server_args
+
+
+def helix_error(model_path: str, args: list[str]) -> str:
+    from sglang.srt.arg_groups.helix_hook import HelixConfigError
+
+    with pytest.raises(HelixConfigError) as info:
+        resolve(model_path, args)
+    assert isinstance(info.value, ValueError)  # reported like every other arg hook
+    return str(info.value)
+
+
+def view(server_args):
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    return resolving_view(server_args)
+
+
+@contextmanager
+def helix_log():
+    """Records of the Helix hook's logger (``prepare_server_args`` resets the root handlers,
+    so pytest's caplog does not see them)."""
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Collect(level=logging.INFO)
+    logger = logging.getLogger("sglang.srt.arg_groups.helix_hook")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+# --------------------------------------------------------------------------------------------
+# The three flags
+# --------------------------------------------------------------------------------------------
+def test_kvp_size_below_one(model):
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "0"]) == (
+        "--helix-kvp-size must be >= 1, got --helix-kvp-size 0. Use 1 to run without Helix, "
+        "or the KV-parallel width (a divisor of --tp 4) to enable it."
+    )
+
+
+def test_tpa_size_negative(model):
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-tpa-size", "-1"]) == (
+        "--helix-tpa-size must be >= 0, got --helix-tpa-size -1. Leave it at 0 to derive it "
+        "as --tp / --helix-kvp-size."
+    )
+
+
+@pytest.mark.parametrize("chunk", ["0", "-64"])
+def test_chunk_size_below_one(model, chunk):
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk]) == (
+        f"--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size {chunk}. It is the "
+        "number of consecutive tokens one KVP rank stores before ownership moves to the next "
+        "rank; the default is 64."
+    )
+
+
+def test_tp_not_divisible_by_kvp(model):
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "3"]) == (
+        "--helix-kvp-size 3 does not divide --tp 4: Helix arranges the --tp ranks as a KVP x TPA "
+        "grid, so --tp must be a multiple of --helix-kvp-size. Valid values for --tp 4: 1, 2 or 4."
+    )
+
+
+@pytest.mark.parametrize(
+    "kvp,tpa,suggested",
+    [
+        ("2", "1", "2"),
+        # --helix-tpa-size without --helix-kvp-size: caught although Helix is off.
+        ("1", "2", "4"),
+    ],
+)
+def test_kvp_times_tpa_must_equal_tp(model, kvp, tpa, suggested):
+    product = int(kvp) * int(tpa)
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", kvp, "--helix-tpa-size", tpa]) == (
+        f"--helix-kvp-size {kvp} x --helix-tpa-size {tpa} = {product} does not equal --tp 4: "
+        f"Helix arranges the --tp ranks as a KVP x TPA grid. Set --helix-tpa-size {suggested} "
+        "(= --tp / --helix-kvp-size) or leave it at 0 to derive it."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The model: K KV heads, Q query heads, architecture
+# --------------------------------------------------------------------------------------------
+def test_tpa_exceeds_kv_heads(model):
+    path = model(8, 2)
+    assert helix_error(path, ["--tp", "8", "--helix-kvp-size", "2"]) == (
+        f"TPA = --tp 8 / --helix-kvp-size 2 = 4 exceeds the 2 KV heads of --model-path {path} "
+        "(num_key_value_heads): each attention-TP rank must hold whole KV heads, none "
+        "duplicated. Use --helix-kvp-size 4 or 8 with --tp 8."
+    )
+    assert helix_error(path, ["--tp", "8", "--helix-kvp-size", "2", "--helix-tpa-size", "4"]) == (
+        f"--helix-tpa-size 4 exceeds the 2 KV heads of --model-path {path} "
+        "(num_key_value_heads): each attention-TP rank must hold whole KV heads, none "
+        "duplicated. Use --helix-kvp-size 4 or 8 with --tp 8 and --helix-tpa-size 0."
+    )
+
+
+def test_kv_heads_not_divisible_by_tpa(model):
+    path = model(24, 6)
+    assert helix_error(path, ["--tp", "8", "--helix-kvp-size", "2"]) == (
+        f"TPA = --tp 8 / --helix-kvp-size 2 = 4 does not divide the 6 KV heads of --model-path "
+        f"{path} (num_key_value_heads): each attention-TP rank must hold whole KV heads, none "
+        "duplicated. Use --helix-kvp-size 4 or 8 with --tp 8."
+    )
+
+
+def test_query_heads_not_divisible_by_tp(model):
+    path = model(6, 2)
+    assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
+        f"The 6 query heads of --model-path {path} (num_attention_heads) are not divisible by "
+        "--tp 4: after the Helix All-to-All each of the --tp ranks owns an equal share of the "
+        "query heads. Use a --tp that divides 6, or use --helix-kvp-size 1."
+    )
+
+
+def test_unsupported_architecture(model, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "mistral")
+    shutil.copytree(model(), path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["MistralForCausalLM"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
+        f"--helix-kvp-size 2 supports only LlamaForCausalLM models, but --model-path {path} is "
+        "MistralForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
+    )
+
+
+def test_unsupported_model_impl(model):
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--model-impl", "transformers"]) == (
+        "--helix-kvp-size 2 is implemented in SGLang's own model code, not --model-impl "
+        "transformers. Use --model-impl sglang (or auto), or use --helix-kvp-size 1."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Combinations Helix does not support
+# --------------------------------------------------------------------------------------------
+def _unsupported(feature, given, fix, why=""):
+    return (
+        f"--helix-kvp-size 2 does not support {feature} ({given}){': ' + why if why else ''}. "
+        f"{fix}, or use --helix-kvp-size 1."
+    )
+
+
+UNSUPPORTED = {
+    "dcp": (
+        ["--dcp-size", "2"],
+        _unsupported("decode context parallelism", "--dcp-size 2", "Set --dcp-size 1",
+                     "both shard the KV cache along the sequence"),
+    ),
+    "attn-cp": (
+        ["--attn-cp-size", "2"],
+        _unsupported("prefill context parallelism", "--attn-cp-size 2", "Set --attn-cp-size 1"),
+    ),
+    "prefill-cp": (
+        ["--enable-prefill-cp"],
+        _unsupported("prefill context parallelism", "--enable-prefill-cp", "Drop --enable-prefill-cp"),
+    ),
+    "dp-attention": (
+        ["--enable-dp-attention", "--dp-size", "2"],
+        _unsupported("DP attention", "--enable-dp-attention --dp-size 2", "Drop --enable-dp-attention",
+                     "Helix shards every request over all KVP ranks"),
+    ),
+    "attn-dp": (
+        ["--attn-dp-size", "2"],
+        _unsupported("DP attention", "--attn-dp-size 2", "Set --attn-dp-size 1",
+                     "Helix shards every request over all KVP ranks"),
+    ),
+    "pp": (
+        ["--pp-size", "2"],
+        _unsupported("pipeline parallelism yet", "--pp-size 2", "Set --pp-size 1"),
+    ),
+    "speculative": (
+        ["--speculative-algorithm", "EAGLE"],
+        _unsupported("speculative decoding yet", "--speculative-algorithm EAGLE",
+                     "Drop --speculative-algorithm"),
+    ),
+    "pd-decode": (
+        ["--disaggregation-mode", "decode"],
+        _unsupported("prefill/decode disaggregation yet", "--disaggregation-mode decode",
+                     "Drop --disaggregation-mode"),
+    ),
+    "pd-prefill": (
+        ["--disaggregation-mode", "prefill"],
+        _unsupported("prefill/decode disaggregation yet", "--disaggregation-mode prefill",
+                     "Drop --disaggregation-mode"),
+    ),
+    "lora": (
+        ["--enable-lora"],
+        _unsupported("LoRA adapters yet", "--enable-lora", "Drop --enable-lora",
+                     "adapters are sliced for the TP layout, not the KVP x TPA one"),
+    ),
+    "hicache": (
+        ["--enable-hierarchical-cache"],
+        _unsupported("prefix-cache extensions", "--enable-hierarchical-cache",
+                     "Drop --enable-hierarchical-cache",
+                     "they need the radix cache, which Helix turns off"),
+    ),
+    "page-size": (
+        ["--page-size", "16"],
+        "--helix-kvp-size 2 supports only --page-size 1 yet, but --page-size is 16. Pass "
+        "--page-size 1, or use --helix-kvp-size 1.",
+    ),
+    "attention-backend": (
+        ["--attention-backend", "flashinfer"],
+        "--helix-kvp-size 2 supports only the attention backends triton or torch_native, but "
+        "--attention-backend is flashinfer. Pass --attention-backend triton (or torch_native), "
+        "or use --helix-kvp-size 1.",
+    ),
+    "decode-attention-backend": (
+        ["--attention-backend", "triton", "--decode-attention-backend", "fa3"],
+        "--helix-kvp-size 2 supports only the attention backends triton or torch_native, but "
+        "--decode-attention-backend is fa3. Pass --attention-backend triton (or torch_native), "
+        "or use --helix-kvp-size 1.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_unsupported_combination(model, case):
+    extra, message = UNSUPPORTED[case]
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *extra]) == message
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        (
+            "attention_backend",
+            "flashinfer",
+            "--helix-kvp-size 2 supports only the attention backends triton or torch_native, "
+            "but --attention-backend resolves to flashinfer. Pass --attention-backend triton "
+            "(or torch_native), or use --helix-kvp-size 1.",
+        ),
+        (
+            "page_size",
+            16,
+            "--helix-kvp-size 2 supports only --page-size 1 yet, but --page-size resolves to 16. "
+            "Pass --page-size 1, or use --helix-kvp-size 1.",
+        ),
+    ],
+)
+def test_final_values_are_checked(model, field, value, message):
+    """A handler after the first Helix run that picks another backend or page size is caught
+    by the second run, over the final values."""
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    def late_change(server_args, previous):
+        previous(server_args)
+        declare_resolution(server_args, "test_late_change", **{field: value})
+
+    name = "handle_model_capability_adjustments"
+    resolution_hooks.register_resolution_hook(name)(late_change)
+    try:
+        assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "torch_native"]) == message
+    finally:
+        resolution_hooks._HOOKS[name].remove(late_change)
+        if not resolution_hooks._HOOKS[name]:
+            del resolution_hooks._HOOKS[name]
+
+
+# --------------------------------------------------------------------------------------------
+# What Helix switches off, and what it resolves
+# --------------------------------------------------------------------------------------------
+def test_helix_switches_off_radix_cache_and_cuda_graphs(model):
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    # Upstream defaults: radix cache on, CUDA graphs on (decode; prefill too on some platforms).
+    plain = view(resolve(model(), ["--tp", "4", "--attention-backend", "triton"]))
+    assert plain.disable_radix_cache is False
+    graphs_on = [
+        phase
+        for phase in ("decode", "prefill")
+        if getattr(plain.cuda_graph_config, phase).backend != Backend.DISABLED
+    ]
+    assert "decode" in graphs_on
+
+    with helix_log() as records:
+        cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton"]))
+    assert cfg.disable_radix_cache is True
+    assert cfg.disable_cuda_graph is True
+    assert cfg.cuda_graph_config.decode.backend == Backend.DISABLED
+    assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "Helix parallelism (--helix-kvp-size 2): disabling the radix cache; prefix reuse over a "
+        "sequence-sharded KV cache is not supported yet.",
+        f"Helix parallelism (--helix-kvp-size 2): disabling CUDA graphs ({', '.join(graphs_on)}); "
+        "the KVP All-to-All is not captured yet.",
+    ]
+
+
+def test_no_warning_when_already_off(model):
+    with helix_log() as records:
+        cfg = view(resolve(model(), [
+            "--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton",
+            "--disable-radix-cache", "--cuda-graph-backend-decode", "disabled",
+        ]))  # fmt: skip
+    assert cfg.disable_radix_cache is True
+    assert [r for r in records if r.levelno >= logging.WARNING] == []
+
+
+def test_resolved_tpa_and_default_backend(model):
+    with helix_log() as records:
+        server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2"])
+    cfg = view(server_args)
+    assert cfg.helix_tpa_size == 2
+    assert server_args.helix_tpa_size == 0  # the raw input is kept; the 2 is a declaration
+    assert cfg.attention_backend == "torch_native"  # --device cpu; triton elsewhere
+    assert "Helix parallelism: attention backend not specified; using torch_native." in [
+        r.getMessage() for r in records
+    ]
+    explicit = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--helix-tpa-size", "1"]))
+    assert explicit.helix_tpa_size == 1
+
+
+def test_accessors_and_published_parallel(model):
+    from sglang.srt.arg_groups.helix_hook import helix_enabled, helix_tpa_size_of
+    from sglang.srt.runtime_context import create_context
+
+    on = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "128"])
+    off = resolve(model(), ["--tp", "4"])
+    assert (helix_enabled(on), helix_tpa_size_of(on)) == (True, 2)
+    assert (helix_enabled(off), helix_tpa_size_of(off)) == (False, 4)
+
+    parallel = create_context(on, role="test").parallel
+    assert parallel.helix_enabled is True
+    assert (parallel.helix_kvp_size, parallel.helix_tpa_size, parallel.helix_kvp_chunk_size) == (2, 2, 128)
+    assert helix_tpa_size_of(parallel) == 2
+    parallel = create_context(off, role="test").parallel
+    assert parallel.helix_enabled is False
+    assert (parallel.helix_kvp_size, parallel.helix_tpa_size, parallel.helix_kvp_chunk_size) == (1, 0, 64)
+    assert helix_tpa_size_of(parallel) == 4
+
+
+@pytest.mark.parametrize(
+    "helix_args",
+    [[], ["--helix-kvp-size", "1", "--helix-tpa-size", "0", "--helix-kvp-chunk-size", "16"]],
+    ids=["defaults", "explicit-kvp-1"],
+)
+def test_kvp1_resolves_like_upstream(model, monkeypatch, helix_args):
+    """With --helix-kvp-size 1 the resolved ServerArgs equal those of the pipeline without the
+    Helix step (upstream's: the series changes nothing else in resolution), helix fields aside."""
+    from sglang.srt.arg_groups import helix_hook
+
+    args = ["--tp", "4", "--attention-backend", "triton", "--random-seed", "1"]  # else it is random
+    helix = resolve(model(), args + helix_args)
+    assert [src for src, _ in helix._resolved_overrides if src == HOOK_SOURCE] == []
+
+    def handle_helix_parallelism(server_args):  # the pipeline without the Helix step
+        pass
+
+    monkeypatch.setattr(helix_hook, "handle_helix_parallelism", handle_helix_parallelism)
+    upstream = resolve(model(), args)
+
+    def strip(d):
+        return {k: v for k, v in d.items() if k not in HELIX_FIELDS}
+
+    assert strip(helix.resolved_dict()) == strip(upstream.resolved_dict())
+
+
+def test_help_documents_flags(capsys):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(SystemExit) as info:
+        prepare_server_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--helix-kvp-size HELIX_KVP_SIZE", "--helix-tpa-size HELIX_TPA_SIZE",
+                 "--helix-kvp-chunk-size HELIX_KVP_CHUNK_SIZE"):  # fmt: skip
+        assert f"  {flag}\n" in out  # a documented option, not only the usage line
+
+    def squeeze(text):  # argparse wraps help text at any space or hyphen
+        return "".join(text.split())
+
+    for phrase in (
+        "1 (the default) disables Helix.",
+        "0 (the default) resolves to --tp / --helix-kvp-size",
+        "The default 64 bounds the per-rank KV imbalance to one chunk",
+    ):
+        assert squeeze(phrase) in squeeze(out)
+
+
+# --------------------------------------------------------------------------------------------
+# What the user sees: python -m sglang.launch_server
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec,args,message",
+    [
+        (
+            (8, 4),
+            ["--tp", "4", "--helix-kvp-size", "3"],
+            "sglang serve: error: --helix-kvp-size 3 does not divide --tp 4: Helix arranges the "
+            "--tp ranks as a KVP x TPA grid, so --tp must be a multiple of --helix-kvp-size. "
+            "Valid values for --tp 4: 1, 2 or 4.",
+        ),
+        (
+            # Model-dependent: fails after the HF config is read, still before any process starts.
+            (8, 1),
+            ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton"],
+            "sglang serve: error: TPA = --tp 4 / --helix-kvp-size 2 = 2 exceeds the 1 KV heads "
+            "of --model-path {path} (num_key_value_heads): each attention-TP rank must hold "
+            "whole KV heads, none duplicated. Use --helix-kvp-size 4 with --tp 4.",
+        ),
+    ],
+    ids=["kvp-does-not-divide-tp", "tpa-exceeds-kv-heads"],
+)
+def test_launch_server_fails_fast_without_traceback(model, spec, args, message):
+    path = model(*spec)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--device", "cpu", *args]
+    proc = subprocess.run(
+        cmd, env=cpu_server_env(4), capture_output=True, text=True, timeout=180,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output  # like argparse's usage errors
+    assert message.format(path=path) in proc.stderr.splitlines(), output
+    assert "Traceback" not in output, output
