@@ -116,6 +116,18 @@ def handle_helix_parallelism(server_args: Any) -> None:
         _declare(server_args, helix_tpa_size=cfg.tp_size // cfg.helix_kvp_size)
     _switch_off_radix_cache(server_args, cfg)
     _switch_off_cuda_graphs(server_args, cfg)
+    _resolve_kv_page(server_args, cfg)
+
+
+def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
+    page = helix_kv_page_size(cfg)
+    if cfg.page_size != page:
+        logger.info(
+            "Helix parallelism: KV ids are allocated in pages of --helix-kvp-chunk-size %d x "
+            "--helix-kvp-size %d = %d tokens (one ownership chunk per KVP rank).",
+            cfg.helix_kvp_chunk_size, cfg.helix_kvp_size, page,
+        )
+        _declare(server_args, page_size=page)
 
 
 def _check_flags(server_args: Any, cfg: Any) -> None:
@@ -344,11 +356,23 @@ def _check_attention_backend(server_args: Any, cfg: Any) -> None:
         _declare(server_args, attention_backend=backend)
 
 
+def helix_kv_page_size(cfg: Any) -> int:
+    """The KV allocator page under Helix: one ownership chunk per KVP rank.
+
+    The allocator hands out rank-invariant logical ids in pages of ``chunk * KVP``; a page holds
+    one chunk for each KVP rank, so the owner and the physical row of a KV id are pure functions
+    of the id (``sglang.srt.layers.helix.kv_layout``) and every rank's allocator, and so every
+    scheduling decision, is identical.
+    """
+    view = _view(cfg)
+    return view.helix_kvp_chunk_size * view.helix_kvp_size
+
+
 def _check_page_size(server_args: Any, cfg: Any) -> None:
     page_size = cfg.page_size
-    if page_size is None or page_size == 1:
-        return  # unset resolves to 1; the final run sees the resolved value
     given = _raw(server_args, "page_size", page_size)
+    if given in (None, 1) and page_size in (None, 1, helix_kv_page_size(cfg)):
+        return  # unset resolves to 1; the KV page is ours (_resolve_kv_page)
     value = (
         f"--page-size is {page_size}"
         if given == page_size

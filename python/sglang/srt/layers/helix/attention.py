@@ -30,6 +30,7 @@ import torch
 
 from sglang.srt.layers.helix import kv_layout
 from sglang.srt.layers.helix.comm import helix_a2a_merge
+from sglang.srt.model_executor.forward_context import get_attn_backend
 
 TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
 
@@ -55,7 +56,7 @@ class HelixForwardMetadata:
         k, n, c = parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
         rows, owned = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
         rows = torch.where(owned, rows, TRASH_ROW)
-        pool = forward_batch.req_to_token_pool.req_to_token
+        pool = _req_to_token(get_attn_backend())
         total = kv_layout.total_local_len(forward_batch.seq_lens_cpu, k, n, c)
         indptr, indices, _ = kv_layout.local_kv_indices(
             pool, forward_batch.req_pool_indices, forward_batch.seq_lens, total, k, n, c
@@ -82,6 +83,13 @@ class HelixForwardMetadata:
         return meta
 
 
+def _req_to_token(backend) -> torch.Tensor:
+    """``[R, max_context]`` logical KV ids by (request slot, position), as the backend holds it."""
+    if hasattr(backend, "req_to_token_pool"):  # torch_native
+        return backend.req_to_token_pool.req_to_token
+    return backend.req_to_token  # triton
+
+
 def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads: ``[T, Q/N * Dv]``, ready for ``o_proj``.
 
@@ -94,14 +102,16 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
     v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
-    forward_batch.token_to_kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
+    backend = get_attn_backend()
+    kv_pool = backend.token_to_kv_pool
+    kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
 
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    if isinstance(forward_batch.attn_backend, TritonAttnBackend):
-        out, lse = _triton_partial(layer, q, k, v, forward_batch, meta)
+    if isinstance(backend, TritonAttnBackend):
+        out, lse = _triton_partial(layer, q, k, v, forward_batch, meta, backend)
     else:
-        out, lse = _torch_partial(layer, q, forward_batch, meta)
+        out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
     merged = helix_a2a_merge(out, lse, get_helix_kvp_group())  # [T, Q/N, Dv]
     return merged.reshape(merged.shape[0], -1)
 
@@ -111,11 +121,11 @@ def _check_layer(layer) -> None:
         raise NotImplementedError("helix attention: sliding window / logit cap are not supported")
 
 
-def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata):
+def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool):
     """Masked softmax per request in fp32: ``out [T, H, Dv]``, ``lse [T, H]``."""
     _check_layer(layer)
-    k_buf = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    v_buf = forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    k_buf = kv_pool.get_key_buffer(layer.layer_id)
+    v_buf = kv_pool.get_value_buffer(layer.layer_id)
     T, H, _ = q.shape
     group = H // layer.tp_k_head_num
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
@@ -153,14 +163,13 @@ def _descales(layer):
     return 1.0, 1.0
 
 
-def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata):
+def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend):
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
     _check_layer(layer)
-    backend = forward_batch.attn_backend
-    k_buf = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    v_buf = forward_batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
     k_descale, v_descale = _descales(layer)
     T, H, _ = q.shape
     out = torch.empty(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
