@@ -11,6 +11,9 @@ from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
 
 # GQA: 8 query heads, 4 KV heads (K = N at --tp 4).
 GQA = TinyLlamaSpec(num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2)
+# Fewer KV heads than ranks at --tp 4: the case Helix exists for.
+MQA = TinyLlamaSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
+KV2 = TinyLlamaSpec(num_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +46,27 @@ def stop_server(srv: CpuServer) -> None:
     calls = srv.stub_calls()
     srv.stop()  # raises if a process of the tree survives
     assert not calls, f"sgl_kernel stub functions were called: {calls}"
+
+
+# Results of workloads against servers, shared by every test module of the session, so a
+# baseline run once serves as the reference for every layout compared with it.
+_RESULTS: dict = {}
+
+
+def run_workload(model_path: str, args: list, backend: str, log_dir: str, workload, key=None):
+    """Start a server with ``args``, run ``workload(base_url)``, stop it; cached per session."""
+    key = key or (model_path, tuple(args), backend, getattr(workload, "__name__", str(workload)))
+    if key not in _RESULTS:
+        srv = start_server(model_path, list(args), backend, log_dir)
+        try:
+            _RESULTS[key] = workload(srv.base_url)
+        finally:
+            stop_server(srv)
+    return _RESULTS[key]
+
+
+def plain_tp_reference(base_url):
+    """What every layout is compared with: the probe, the long prompt, one answer per wave prompt."""
+    from sglang_helix.testing.openai_probe import long_completion, probe, single_completions
+
+    return {"probe": probe(base_url), "long": long_completion(base_url), "singles": single_completions(base_url)}

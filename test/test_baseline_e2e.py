@@ -8,23 +8,16 @@ completion and a streamed chat completion.
 
 import pytest
 
-from conftest import GQA, start_server, stop_server
-from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_probe, probe
+from conftest import GQA, plain_tp_reference, run_workload
+from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_generation, assert_same_probe
 
 REFERENCE = (1, "torch_native")
 LAYOUTS = [REFERENCE, (2, "torch_native"), (4, "torch_native"), (1, "triton"), (2, "triton"), (4, "triton")]
 
-_results = {}
-
 
 def run_layout(model_path, tp, backend, log_dir):
-    if (tp, backend) not in _results:
-        srv = start_server(model_path, ["--tp", str(tp)], backend, log_dir)
-        try:
-            _results[(tp, backend)] = probe(srv.base_url)
-        finally:
-            stop_server(srv)
-    return _results[(tp, backend)]
+    # The same workload (and so the same cached servers) the Helix tests compare with.
+    return run_workload(model_path, ["--tp", str(tp)], backend, log_dir, plain_tp_reference)
 
 
 @pytest.mark.e2e
@@ -32,8 +25,12 @@ def run_layout(model_path, tp, backend, log_dir):
 def test_layout_matches_tp1(model_dir, server_log_dir, tp, backend):
     ref = run_layout(model_dir(GQA), *REFERENCE, server_log_dir)
     got = run_layout(model_dir(GQA), tp, backend, server_log_dir)
-    assert len(got.completions) == 4 and all(len(g.tokens) == 16 for g in got.completions)
-    assert_same_probe(ref, got, LOGPROB_ATOL, what=f"tp{tp}/{backend}")
+    what = f"tp{tp}/{backend}"
+    assert len(got["probe"].completions) == 4 and all(len(g.tokens) == 16 for g in got["probe"].completions)
+    assert_same_probe(ref["probe"], got["probe"], LOGPROB_ATOL, what)
+    assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, f"{what} long prompt")
+    for i, (r, g) in enumerate(zip(ref["singles"], got["singles"])):
+        assert_same_generation(r, g, LOGPROB_ATOL, f"{what} prompt {i}")
 
 
 def test_comparison_detects_a_perturbed_logprob():

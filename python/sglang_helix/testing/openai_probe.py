@@ -133,3 +133,47 @@ def assert_same_probe(ref: ProbeResult, got: ProbeResult, atol: float = LOGPROB_
         assert got.completion_stream == got.completions[1].text, f"{what}: streamed completion differs"
     if ref.chat.decisive_prefix() == len(ref.chat.tokens):
         assert got.chat_stream == got.chat.text, f"{what}: streamed chat differs"
+
+
+# ---------------------------------------------------------------------------------------------
+# Long prompts and concurrency (the Helix end-to-end matrix)
+# ---------------------------------------------------------------------------------------------
+_WORDS = "attention head query key value cache token sequence shard rank merge parallel helix decode prefill chunk layer model tensor kernel".split()
+# ~300 tokens: with --helix-kvp-chunk-size 4 it spans ~75 ownership chunks, and with
+# --chunked-prefill-size 64 it is prefilled in several chunks over an already-sharded prefix.
+LONG_PROMPT = " ".join(_WORDS[(i * 7) % len(_WORDS)] for i in range(260))
+# Mixed lengths for the concurrency waves (1 to ~60 tokens).
+WAVE_PROMPTS = [" ".join(_WORDS[(i * j) % len(_WORDS)] for i in range(n)) for j, n in enumerate((1, 3, 6, 9, 14, 20, 28, 40), start=3)]
+WAVE_SIZES = (1, 2, 7, 16, 32, 64)
+
+
+def _client(base_url: str):
+    import openai
+
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=900, max_retries=0)
+
+
+def long_completion(base_url: str, max_tokens: int = 16) -> Generation:
+    return completions(_client(base_url), [LONG_PROMPT], max_tokens=max_tokens)[0]
+
+
+def single_completions(base_url: str, prompts=WAVE_PROMPTS, max_tokens: int = 4) -> list[Generation]:
+    """Reference answers, one per distinct prompt (greedy answers do not depend on batching)."""
+    return completions(_client(base_url), list(prompts), max_tokens=max_tokens)
+
+
+def concurrent_waves(base_url: str, sizes=WAVE_SIZES, prompts=WAVE_PROMPTS, max_tokens: int = 4) -> dict:
+    """For each size n, n concurrent single-prompt requests (prompt i % len(prompts)).
+
+    Returns ``{n: [(prompt_index, Generation), ...]}``.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = {}
+    for n in sizes:
+        def one(i):
+            return i % len(prompts), completions(_client(base_url), [prompts[i % len(prompts)]], max_tokens=max_tokens)[0]
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            out[n] = list(pool.map(one, range(n)))
+    return out
