@@ -1,8 +1,9 @@
 """Demo: a tiny Llama served on the CPU by the real SGLang server, queried with the openai client.
 
 Run through scripts/demo.sh. Writes a tiny random-weight model, starts
-`python -m sglang.launch_server --device cpu --tp 4 ...`, sends one chat completion and one
-streaming completion, prints both, and shuts the server down.
+`python -m sglang.launch_server --device cpu --tp 4 --helix-kvp-size 2 ...` (Helix on by default;
+`--helix-kvp-size 1` for plain TP), sends one chat completion and one streaming completion,
+prints both, and shuts the server down.
 """
 
 import argparse
@@ -21,13 +22,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--helix-kvp-size", type=int, default=2, help="1 = plain TP, to compare")
     p.add_argument("--attention-backend", default="torch_native", choices=["torch_native", "triton"])
     p.add_argument("--model-dir", default=os.path.join(ROOT, ".cache", "demo-model"))
     p.add_argument("server_args", nargs="*", help="extra launch_server flags (after --)")
     args = p.parse_args()
 
     model = write_tiny_llama(args.model_dir, TinyLlamaSpec(num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2))
-    server_args = ["--tp", str(args.tp), *args.server_args]
+    server_args = ["--tp", str(args.tp), "--helix-kvp-size", str(args.helix_kvp_size), *args.server_args]
     print(f"model:  {model}")
     print(f"server: python -m sglang.launch_server --device cpu --attention-backend {args.attention_backend} {' '.join(server_args)}")
     t0 = time.time()
