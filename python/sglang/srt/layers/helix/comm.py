@@ -23,10 +23,9 @@ on a CPU they run only under ``TRITON_INTERPRET=1`` (about 2 ms per (token, head
 Not reused:
 - upstream ``merge_state`` (``merge_state_triton`` / ``merge_state_v2``) is two-way: ``KVP - 1``
   launches, contiguous inputs only (not the packed receive buffer), NaN when both sides are empty.
-- ``dcp_a2a_lse_reduce`` is the same pack / one All-to-All / combine, but it calls
-  ``GroupCoordinator.all_to_all_single``, which fails on CPU tensors (see ``_all_to_all_single``),
-  accepts no plain ``ProcessGroup``, and never exposes the received partials; the few lines of glue
-  below are therefore ours, around the same two kernels.
+- ``dcp_a2a_lse_reduce`` is the same pack / one All-to-All / combine, but it accepts no plain
+  ``ProcessGroup`` and never exposes the received partials; the few lines of glue below are
+  therefore ours, around the same two kernels.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ from sglang.kernels.ops.attention.dcp_kernels import (
     dcp_pack_a2a_send,
 )
 
-# The KVP group: a SGLang GroupCoordinator (used through ``world_size``, ``all_to_all_single`` and,
-# for CPU tensors, ``_all_to_all_single``) or a plain torch.distributed ProcessGroup.
+# The KVP group: a SGLang GroupCoordinator (used through ``world_size`` and ``all_to_all_single``;
+# on CPU that needs patch 0008) or a plain torch.distributed ProcessGroup.
 HelixGroup = Union["GroupCoordinator", dist.ProcessGroup]  # noqa: F821
 
 
@@ -57,14 +56,6 @@ def _all_to_all_single(group: HelixGroup, output: torch.Tensor, input: torch.Ten
     """Equal-split ``all_to_all_single`` over ``group`` (same collective on every device)."""
     if isinstance(group, dist.ProcessGroup):
         dist.all_to_all_single(output, input, group=group)
-    elif input.is_cpu:
-        # GroupCoordinator.all_to_all_single dispatches through the custom op
-        # sglang::reg_all_to_all_single, which is registered for the CUDA key only, so CPU tensors
-        # fail with NotImplementedError. Its body, _all_to_all_single, is torch.distributed on the
-        # device group when there is no pynccl (always so on the CPU); upstream's own
-        # all_gather_into_tensor takes the same private route on the CPU. Transport only: the
-        # bytes exchanged are the same.
-        group._all_to_all_single(output, input)
     else:
         # pynccl where the group has it (CUDA-graph capturable), else torch.distributed.
         group.all_to_all_single(output, input)
