@@ -25,31 +25,27 @@ from sglang_helix.testing.openai_probe import (
 HELIX_ARGS = ["--helix-kvp-chunk-size", "4", "--chunked-prefill-size", "64"]
 
 
-def helix_full(base_url):
-    return {"probe": probe(base_url), "long": long_completion(base_url), "waves": concurrent_waves(base_url)}
+def helix_workload(wave_sizes):
+    def workload(base_url):
+        return {"probe": probe(base_url), "long": long_completion(base_url), "waves": concurrent_waves(base_url, sizes=wave_sizes)}
+
+    workload.__name__ = f"helix_waves_{'_'.join(map(str, wave_sizes))}"
+    return workload
 
 
-def helix_waves_1_7_16(base_url):
-    return {"probe": probe(base_url), "long": long_completion(base_url), "waves": concurrent_waves(base_url, sizes=(1, 7, 16))}
-
-
-def helix_waves_1_7(base_url):
-    """For the interpreted Triton backend (slow on the CPU): short waves."""
-    return {"probe": probe(base_url), "long": long_completion(base_url), "waves": concurrent_waves(base_url, sizes=(1, 7))}
-
-
-# Every concurrency size runs on one layout; the others sample it (CPU time is the limit: on this
-# harness the interpreted merge kernels cost ~2 ms per (token, head) program).
+ALL_WAVES = (1, 2, 7, 16, 32, 64)
+# Every concurrency size runs on one layout; the others sample it. CPU time is the limit: on this
+# harness the interpreted merge kernels cost ~2 ms per (token, head) program, and the Triton
+# attention kernels are interpreted too.
 CASES = [
-    # (model, tp, kvp, backend, workload)
-    (GQA, 2, 2, "torch_native", helix_full),
-    (GQA, 4, 2, "torch_native", helix_waves_1_7_16),
-    (GQA, 4, 4, "torch_native", helix_waves_1_7_16),
-    (MQA, 4, 4, "torch_native", helix_waves_1_7_16),
-    (KV2, 4, 2, "torch_native", helix_waves_1_7_16),
-    (GQA, 2, 2, "triton", helix_waves_1_7),
-    (GQA, 4, 2, "triton", helix_waves_1_7),
-    (MQA, 4, 4, "triton", helix_waves_1_7),
+    # (model, tp, kvp, backend, concurrency waves)
+    (GQA, 2, 2, "torch_native", ALL_WAVES),
+    (GQA, 4, 4, "torch_native", (1, 7, 16)),
+    (MQA, 4, 4, "torch_native", (7,)),
+    (KV2, 4, 2, "torch_native", (7,)),
+    (GQA, 2, 2, "triton", (7,)),
+    (GQA, 4, 2, "triton", (7,)),
+    (MQA, 4, 4, "triton", (7,)),
 ]
 
 
@@ -61,8 +57,9 @@ def _id(case):
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_helix_matches_plain_tp(model_dir, server_log_dir, case):
-    spec, tp, kvp, backend, workload = case
+    spec, tp, kvp, backend, waves = case
     model = model_dir(spec)
+    workload = helix_workload(waves)
     ref = run_workload(model, ["--tp", str(tp)], "torch_native", server_log_dir, plain_tp_reference)
     got = run_workload(model, ["--tp", str(tp), "--helix-kvp-size", str(kvp), *HELIX_ARGS], backend, server_log_dir, workload)
     what = _id(case)
