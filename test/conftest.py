@@ -36,9 +36,13 @@ def server_log_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("server-logs"))
 
 
-def start_server(model_path: str, args: list[str], backend: str, log_dir: str) -> CpuServer:
+def start_server(
+    model_path: str, args: list[str], backend: str, log_dir: str, extra_env: dict | None = None
+) -> CpuServer:
     timeout = float(os.environ.get("HELIX_TEST_STARTUP_TIMEOUT", "900"))
-    return CpuServer(model_path, args, attention_backend=backend, startup_timeout=timeout, log_dir=log_dir).start()
+    return CpuServer(
+        model_path, args, attention_backend=backend, startup_timeout=timeout, log_dir=log_dir, extra_env=extra_env
+    ).start()
 
 
 def stop_server(srv: CpuServer) -> None:
