@@ -47,7 +47,8 @@ MQA = TinyLlamaSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
 REQUESTS = [(5, 4), (11, 6), (18, 3), (29, 5)]
 
 LAYOUTS = {
-    "tp4-kvp2-c4-gqa": (GQA, ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "4"]),
+    # Chunked prefill of 16 tokens: the 18- and 29-token prompts extend over a stored prefix.
+    "tp4-kvp2-c4-gqa": (GQA, ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "4", "--chunked-prefill-size", "16"]),
     "tp4-kvp4-c2-mqa": (MQA, ["--tp", "4", "--helix-kvp-size", "4", "--helix-kvp-chunk-size", "2"]),
 }
 # One server start is ~1-1.5 min on 2 cores: the second layout is opt-in (HELIX_TEST_EXTRA=1).
