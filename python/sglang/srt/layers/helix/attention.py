@@ -23,6 +23,7 @@ first layer, and cached on the ``ForwardBatch``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +34,9 @@ from sglang.srt.layers.helix.comm import helix_a2a_merge
 from sglang.srt.model_executor.forward_context import get_attn_backend
 
 TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
+
+# DEBUG: directory for per-rank K/V dumps (see _debug_dump_kv); read once, unset = no dumps.
+_DEBUG_KV_DIR = os.environ.get("SGLANG_HELIX_DEBUG_KV_DIR") or None
 
 
 @dataclass
@@ -105,6 +109,8 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
     backend = get_attn_backend()
     kv_pool = backend.token_to_kv_pool
     kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
+    if _DEBUG_KV_DIR:  # debug only (SGLANG_HELIX_DEBUG_KV_DIR); off by default
+        _debug_dump_kv(layer, forward_batch, meta, kv_pool)
 
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
@@ -193,3 +199,32 @@ def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, b
         extend_seq_lens_cpu=forward_batch.extend_seq_lens_cpu,
     )  # fmt: skip
     return out, lse
+
+
+def _debug_dump_kv(layer, forward_batch, meta: HelixForwardMetadata, kv_pool) -> None:
+    """DEBUG ONLY (``SGLANG_HELIX_DEBUG_KV_DIR``): dump this rank's stored K/V after the write.
+
+    For every request of the batch, (over)writes ``layer{L}_slot{S}_tp{R}.pt`` in the directory:
+    the global positions in ``[0, seq_len)`` this rank owns and their K/V rows read back from the
+    pool (``[n, K/TPA, D]``), with the rank's place in the KVP x TPA grid. Host syncs and file I/O
+    on every layer: for tests (test/test_helix_kv_consistency.py), never for serving.
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    positions = kv_layout.owned_positions(meta.kv_indptr, meta.total_local, meta.kvp_rank, meta.kvp_size, meta.chunk)
+    k_buf = kv_pool.get_key_buffer(layer.layer_id)
+    v_buf = kv_pool.get_value_buffer(layer.layer_id)
+    indptr = meta.kv_indptr.tolist()
+    for b, (slot, seq_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), forward_batch.seq_lens_cpu.tolist())):
+        lo, hi = indptr[b], indptr[b + 1]
+        rows = meta.kv_indices[lo:hi]
+        record = {
+            "layer_id": layer.layer_id, "slot": slot, "seq_len": int(seq_len),
+            "tp_rank": parallel.tp_rank, "kvp_rank": meta.kvp_rank, "kvp_size": meta.kvp_size,
+            "tpa_rank": parallel.helix_tpa_rank, "chunk": meta.chunk,
+            "positions": positions[lo:hi].cpu(), "k": k_buf[rows].float().cpu(), "v": v_buf[rows].float().cpu(),
+        }  # fmt: skip
+        path = os.path.join(_DEBUG_KV_DIR, f"layer{layer.layer_id}_slot{slot}_tp{parallel.tp_rank}.pt")
+        torch.save(record, path + ".tmp")
+        os.replace(path + ".tmp", path)

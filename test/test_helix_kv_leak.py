@@ -1,0 +1,297 @@
+"""Helix KV leak check: aborts and forced retraction leave every rank's KV pool as it started.
+
+A Helix server (``--tp 4 --helix-kvp-size 2 --helix-kvp-chunk-size 4``) runs with a KV pool far too
+small for its workload and with upstream's debug checks on:
+
+- ``SGLANG_DEBUG_MEMORY_POOL=1``: the paged allocator asserts after every free that its free list
+  holds no page twice (``_debug_check_no_duplicate_pages``): a double free kills the scheduler;
+- ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=2``: after every batch each rank asserts
+  ``available + uncached(running requests) == total`` and logs its counts
+  (``[Mem Check (BUSY)] [full] total=..., available=...``);
+- ``SGLANG_CHECK_KV_PAGE_INVARIANTS=1``: after every batch, no page is both owned by a request and
+  free (use after free), and the free pool has no duplicate page (double free);
+- ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1`` (upstream's default): whenever a rank's
+  scheduler is idle it checks ``available == total`` (nothing is cached: Helix turns the radix
+  cache off) and the request-slot pool, and raises on a leak.
+
+Every scheduler rank runs these checks on its own allocator (the allocators are rank-invariant by
+design, but each is checked). A failed check raises in the scheduler, which takes the server down.
+
+Workload on a 128-rows-per-rank pool (256 logical ids per rank): five staggered greedy generations
+of 64 tokens that overfill it (asserted: "KV cache pool is full. Retract requests." in the log,
+every rank's free count reaches 0), two streamed completions closed by the client after 3 chunks,
+one request aborted through ``/abort_request`` while queued and two after streaming 2 tokens. Then,
+idle, and asserted:
+- no check fired on any rank (no leak / double-free / assertion report in the log), and the server
+  is still up and healthy;
+- rank 0 from outside: ``/v1/loads`` reports 0 used tokens before and after;
+- every rank, from its own busy-check lines: the first request after the workload (a health check,
+  one page) sees exactly what the first request after startup saw, ``(256, 248 free, 8 owned)``:
+  every rank's free count is back to its initial value;
+- the completed generations (retracted and recomputed ones included) and a final request decode
+  the same tokens as transformers.
+
+``test_leak_checks_catch_an_injected_fault`` (opt-in, ``HELIX_TEST_EXTRA=1``) proves the test fails
+when the release path is broken on one non-zero rank: a page kept (caught by the busy check, or
+with busy checks off by the idle check), or a page released twice (caught by the allocator's
+debug check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import GQA, stop_server
+from sglang_helix.testing.server import CpuServer
+
+ARGS = ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "4"]
+KVP = 2
+PAGE = 4 * KVP  # --helix-kvp-chunk-size x KVP
+ROWS_PER_RANK = 128  # --max-total-tokens: physical rows per rank; the allocator has ROWS * KVP ids
+DEBUG_ENV = {
+    "SGLANG_DEBUG_MEMORY_POOL": "1",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "2",
+    "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+}
+# Admit against a tenth of the usual decode-length estimate (new_token_ratio 0.07), so that decode
+# reliably runs the pool dry.
+SCHEDULE = ["--max-total-tokens", str(ROWS_PER_RANK), "--schedule-conservativeness", "0.1"]
+LONG = [(n, 64) for n in (9, 14, 20, 23, 27)]  # (prompt tokens, max_tokens); run to completion (or EOS)
+LEAK_PATTERNS = [
+    "memory leak detected", "Mem Leak Detected", "double free", "use-after-free",
+    "AssertionError", "hit an exception",
+]  # fmt: skip
+BUSY_RE = re.compile(r"TP(\d)\] \[Mem Check \(BUSY\)\] \[full\] total=(\d+), available=(\d+), .*uncached=(\d+)")
+
+
+def _post(base_url: str, path: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(base_url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        data = r.read()
+    return json.loads(data) if data else {}
+
+
+def _get(base_url: str, path: str, timeout: float = 60):
+    with urllib.request.urlopen(base_url + path, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def _loads(base_url: str) -> dict:
+    status, body = _get(base_url, "/v1/loads")
+    assert status == 200
+    data = json.loads(body)
+    loads = data["loads"] if isinstance(data, dict) and "loads" in data else data
+    return loads[0] if isinstance(loads, list) else loads
+
+
+def _complete(base_url: str, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> dict:
+    body = {
+        "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": ignore_eos, "return_token_ids": True,
+    }  # fmt: skip
+    return _post(base_url, "/v1/completions", body)["choices"][0]
+
+
+def _stream_then_close(base_url: str, prompt: list[int], max_tokens: int, chunks: int) -> int:
+    """Stream a completion and close the connection after ``chunks`` chunks (client abort)."""
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    seen = 0
+    r = urllib.request.urlopen(req, timeout=600)
+    try:
+        for line in r:
+            if line.startswith(b"data: {"):
+                seen += 1
+                if seen >= chunks:
+                    break
+    finally:
+        r.close()
+    return seen
+
+
+def _generate_with_rid(base_url: str, rid: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"rid": rid, "input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+    return _post(base_url, "/generate", body)
+
+
+def _busy_counts(log: str) -> dict:
+    """{tp_rank: [(total, available, uncached), ...]} from the busy-check lines, in log order."""
+    out = {}
+    for m in BUSY_RE.finditer(log):
+        out.setdefault(int(m.group(1)), []).append(tuple(int(x) for x in m.group(2, 3, 4)))
+    return out
+
+
+def _stream_generate_then_abort(base_url: str, rid: str, prompt: list[int], max_tokens: int, chunks: int) -> dict:
+    """Stream ``/generate``; after ``chunks`` chunks abort it through ``/abort_request``; read the
+    stream to its end and return the last ``meta_info``."""
+    body = {"rid": rid, "input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+    req = urllib.request.Request(base_url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    seen, meta = 0, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            meta = json.loads(line[len(b"data: ") :])["meta_info"]
+            seen += 1
+            if seen == chunks:
+                _post(base_url, "/abort_request", {"rid": rid})
+    return meta
+
+
+def _hf_greedy_ok(model, prompt: list[int], gen: list[int]) -> bool:
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen])).logits[0]
+    return logits[len(prompt) - 1 : -1].argmax(-1).tolist() == gen
+
+
+def _wait_idle(base_url: str, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = _loads(base_url)
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 and load["num_used_tokens"] == 0:
+            return load
+        assert time.monotonic() < deadline, f"server not idle after {timeout}s: {load}"
+        time.sleep(0.5)
+
+
+@pytest.mark.e2e
+def test_aborts_and_retraction_leak_no_kv(model_dir, server_log_dir):
+    _leak_scenario(model_dir(GQA), server_log_dir, DEBUG_ENV)
+
+
+# A broken release path must fail the test above: the same scenario with a fault injected into the
+# paged allocator of TP rank 3 only (test/fault_injection/sitecustomize.py), so rank 0's view
+# (/v1/loads) stays clean. Opt-in (HELIX_TEST_EXTRA=1): three more servers, ~2 min each on 2 cores.
+FAULTS = {
+    "leak-busy-check": ("leak", DEBUG_ENV, r"TP3\] Scheduler hit an exception.*Full Pool Mem Leak Detected"),
+    "leak-idle-check": (
+        "leak",
+        {**DEBUG_ENV, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "0", "SGLANG_CHECK_KV_PAGE_INVARIANTS": "0"},
+        r"TP3\] Scheduler hit an exception.*pool memory leak detected",
+    ),
+    "double-free": ("double_free", DEBUG_ENV, r"TP3\] Scheduler hit an exception.*AssertionError"),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not os.environ.get("HELIX_TEST_EXTRA"), reason="opt-in: HELIX_TEST_EXTRA=1")
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_leak_checks_catch_an_injected_fault(model_dir, server_log_dir, monkeypatch, fault):
+    mode, env, message = FAULTS[fault]
+    inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_injection")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (inject, os.environ.get("PYTHONPATH")) if p))
+    env = {**env, "HELIX_INJECT": mode, "HELIX_INJECT_RANK": "3", "HELIX_INJECT_AT": "6"}
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _leak_scenario(model_dir(GQA), server_log_dir, env)
+    assert re.search(message, str(failed.value), re.S), str(failed.value)[:3000]
+
+
+def _leak_scenario(model_path: str, server_log_dir: str, env: dict) -> None:
+    import torch  # noqa: F401
+    from transformers import LlamaForCausalLM
+
+    rng = random.Random(1)
+    prompt = lambda n: [rng.randrange(10, 400) for _ in range(n)]  # noqa: E731
+    timeout = float(os.environ.get("HELIX_TEST_STARTUP_TIMEOUT", "900"))
+    srv = CpuServer(
+        model_path, ARGS + SCHEDULE, attention_backend="torch_native",
+        startup_timeout=timeout, log_dir=server_log_dir, extra_env=env,
+    ).start()  # fmt: skip
+    try:
+        initial = _wait_idle(srv.base_url)
+        long_prompts = [prompt(n) for n, _ in LONG]
+        with ThreadPoolExecutor(12) as pool:
+            # Staggered, without ignore_eos: each is admitted in its own prefill round, where the
+            # running requests are charged new_token_ratio x their max_tokens (not all of it, as
+            # requests admitted together are), so decode runs the pool dry.
+            done = []
+            for p, (_, m) in zip(long_prompts, LONG):
+                done.append(pool.submit(_complete, srv.base_url, p, m))
+                time.sleep(0.7)
+            streams = [pool.submit(_stream_then_close, srv.base_url, prompt(n), 60, 3) for n in (12, 25)]
+            # Aborted through /abort_request: one at once (still queued: the pool is full), two
+            # once they have streamed tokens (running).
+            rids = [f"helix-leak-abort-{i}" for i in range(3)]
+            queued = pool.submit(_generate_with_rid, srv.base_url, rids[0], prompt(17), 60)
+            running = [pool.submit(_stream_generate_then_abort, srv.base_url, rid, prompt(18), 60, 2) for rid in rids[1:]]
+            time.sleep(0.5)
+            while not queued.done():  # an abort that reaches the server before the request is a no-op
+                _post(srv.base_url, "/abort_request", {"rid": rids[0]})
+                time.sleep(0.5)
+            results = [f.result() for f in done]
+            stream_chunks = [f.result() for f in streams]
+            abort_results = [queued.result()["meta_info"]] + [f.result() for f in running]
+        idle = _wait_idle(srv.base_url)
+        time.sleep(2.0)  # several idle-loop leak checks on every rank
+        mark = os.path.getsize(srv.log_path)  # the busy checks after this: the first request after the workload
+        status, _ = _get(srv.base_url, "/health_generate")
+        assert status == 200
+        final_prompt = prompt(19)
+        final = _complete(srv.base_url, final_prompt, 16, ignore_eos=True)
+        _wait_idle(srv.base_url)
+        time.sleep(1.0)
+        assert srv.proc.poll() is None, "server died\n" + srv.log_tail()
+        failure = None
+    except Exception as exc:  # a check that fires kills the server: report the check, not the HTTP error
+        failure = exc
+    finally:
+        with open(srv.log_path, "rb") as f:
+            raw = f.read()
+        log = raw.decode(errors="replace")
+        stop_server(srv)
+
+    # No check fired, on any rank.
+    fired = [line for line in log.splitlines() if any(p in line for p in LEAK_PATTERNS)]
+    if fired:
+        pytest.fail("a KV pool check fired in the server:\n" + "\n".join(fired)[:4000] + "\n" + srv.log_tail(60))
+    if failure is not None:
+        raise failure
+
+    # The workload did what it is meant to.
+    retractions = log.count("KV cache pool is full. Retract requests.")
+    assert retractions >= 1, "the pool never ran full: no retraction happened"
+    assert all(n == 3 for n in stream_chunks), stream_chunks
+    finish = [r["finish_reason"]["type"] for r in abort_results]
+    assert all(f == "abort" for f in finish), finish
+    aborted_after = [r["completion_tokens"] for r in abort_results]
+    assert all(n >= 2 for n in aborted_after[1:]), f"aborted after {aborted_after} tokens: not while running"
+
+    # Free counts. Rank 0 from outside (/v1/loads): 0 tokens used before and after. Every rank from
+    # its own busy checks: the first one (startup health check) and the first one after the
+    # workload (the next health check, one page) both show all ids free but that request's page.
+    assert initial["num_used_tokens"] == 0 and idle["num_used_tokens"] == 0
+    total = ROWS_PER_RANK * KVP
+    before = _busy_counts(raw[:mark].decode(errors="replace"))
+    after = _busy_counts(raw[mark:].decode(errors="replace"))
+    assert sorted(before) == sorted(after) == [0, 1, 2, 3], f"busy-check lines from ranks {sorted(before)} / {sorted(after)}"
+    for rank in range(4):
+        first, low, again = before[rank][0], min(a for _, a, _ in before[rank]), after[rank][0]
+        assert all(t == total for t, _, _ in before[rank] + after[rank]), f"TP{rank}: total is not {total}"
+        assert first[1] + first[2] == total and first[2] <= PAGE, f"TP{rank}: first busy check {first}"
+        assert again == first, f"TP{rank}: after the workload (total, available, uncached) = {again}, at startup {first}"
+        assert low < total // 4, f"TP{rank}: the pool never ran low (min free {low})"
+
+    # Results are exact, retracted-and-recomputed ones included.
+    model = LlamaForCausalLM.from_pretrained(model_path, torch_dtype="float32").eval()
+    for p, (_, m), r in zip(long_prompts, LONG, results):
+        assert r["finish_reason"] == "length" and len(r["token_ids"]) == m or r["finish_reason"] == "stop", r
+        assert _hf_greedy_ok(model, p, r["token_ids"]), "a completed generation differs from transformers' greedy decode"
+    assert len(final["token_ids"]) == 16 and _hf_greedy_ok(model, final_prompt, final["token_ids"])
+    print(
+        f"retractions: {retractions}; aborted after {aborted_after} tokens; logical ids per rank {total}; busy checks per rank "
+        f"{ {r: len(c) for r, c in sorted(before.items())} }; min free "
+        f"{ {r: min(a for _, a, _ in c) for r, c in sorted(before.items())} }; after: "
+        f"{ {r: c[0] for r, c in sorted(after.items())} }"
+    )
