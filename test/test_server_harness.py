@@ -50,3 +50,91 @@ def test_startup_timeout_is_bounded_and_cleans_up(model_dir, server_log_dir):
     with pytest.raises(ServerStartError, match="not ready after 5s"):
         srv.start()
     assert srv.tree_pids and _alive(srv.tree_pids) == []
+
+
+# A stand-in for ``python -m sglang.launch_server``: binds --port like uvicorn does (failing with
+# uvicorn's message when the port is taken) and answers /health_generate. Lets the harness's port
+# handling be tested in a second, without loading a model.
+_FAKE_LAUNCHER = r'''#!{python}
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+except OSError as e:
+    print(f"ERROR:    [Errno {{e.errno}}] error while attempting to bind on address "
+          f"('127.0.0.1', {{port}}): address already in use", flush=True)
+    sys.exit(3)
+server.serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_launcher(tmp_path):
+    import sys
+
+    path = tmp_path / "fake-python"
+    path.write_text(_FAKE_LAUNCHER.format(python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_free_port_avoids_the_ephemeral_and_sglang_ranges():
+    from sglang_helix.testing import server
+
+    ephemeral_low = server._ephemeral_low()
+    for _ in range(50):
+        port = server.free_port()
+        assert server.PORT_RANGE[0] <= port < min(server.PORT_RANGE[1], ephemeral_low)
+        assert not 22000 <= port < 30000  # sglang's own NCCL/TCPStore port range
+
+
+def test_start_retries_on_a_port_lost_before_bind(monkeypatch, tmp_path, fake_launcher):
+    """The CI failure this guards: the picked port was free, but another process bound it while
+    the server was still loading, and uvicorn exited with 'address already in use'."""
+    import socket
+
+    from sglang_helix.testing import server
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", server.free_port()))
+    # Bound, not listening: the launcher's bind fails, and health polls are refused at once.
+    taken = squatter.getsockname()[1]
+    real_free_port = server.free_port
+    picks = iter([taken])
+    monkeypatch.setattr(server, "free_port", lambda: next(picks, None) or real_free_port())
+    try:
+        srv = CpuServer("unused", log_dir=str(tmp_path), startup_timeout=30, python=fake_launcher)
+        assert srv.port == taken
+        srv.start()
+        try:
+            assert srv.port != taken and srv.port_retries == 1
+        finally:
+            srv.stop()
+        assert _alive(srv.tree_pids) == []
+    finally:
+        squatter.close()
+
+
+def test_start_gives_up_after_bounded_port_retries(monkeypatch, tmp_path, fake_launcher):
+    import socket
+
+    from sglang_helix.testing import server
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", server.free_port()))
+    taken = squatter.getsockname()[1]
+    monkeypatch.setattr(server, "free_port", lambda: taken)
+    try:
+        srv = CpuServer("unused", log_dir=str(tmp_path), startup_timeout=30, python=fake_launcher)
+        with pytest.raises(ServerStartError, match="address already in use"):
+            srv.start()
+        assert srv.port_retries == server.START_ATTEMPTS - 1
+    finally:
+        squatter.close()

@@ -5,7 +5,9 @@
     with CpuServer(model_path, ["--tp", "4"], attention_backend="triton") as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none")
 
-It picks a free loopback port, runs the server in its own session (process group), polls
+It picks a free loopback port (below the kernel's ephemeral range, so that no socket the server
+or a neighbour opens in the meantime can be handed the same port; a start that still loses its
+port to someone else is retried on a new one), runs the server in its own session (process group), polls
 ``/health_generate`` until it answers (bounded by ``startup_timeout``), and on failure raises with
 the tail of the server log. ``stop()`` terminates the whole process tree (the launcher, scheduler
 ranks, detokenizer, ...) and verifies every process is gone: no orphans outlive a test.
@@ -14,6 +16,7 @@ ranks, detokenizer, ...) and verifies every process is gone: no orphans outlive 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,7 +36,32 @@ class ServerStartError(RuntimeError):
     pass
 
 
+# HTTP ports come from [10000, 22000): below the kernel's ephemeral range (32768+ by default, where
+# bind(0) and connect() draw gloo, ZMQ and client ports from) and below the [22000, 30000) range
+# sglang draws its own NCCL/TCPStore port from (srt/utils/network.get_free_port_below_ephemeral).
+PORT_RANGE = (10000, 22000)
+START_ATTEMPTS = 3
+_PORT_LOST = "address already in use"
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port that is free now and that the kernel will not hand out as an ephemeral one."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_low())
+    for port in random.sample(range(low, high), min(256, max(high - low, 0))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -61,15 +89,21 @@ class CpuServer:
         self.args = list(args)
         self.attention_backend = attention_backend
         self.startup_timeout = startup_timeout
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        log_dir = log_dir or tempfile.mkdtemp(prefix="sglang-cpu-")
-        self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
-        self.stub_log = os.path.join(log_dir, f"sgl-kernel-stub-{self.port}.log")
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="sglang-cpu-")
         self.extra_env = dict(extra_env or {})
         self.python = python
         self.proc: subprocess.Popen | None = None
         self.tree_pids: set[int] = set()
+        self.port_retries = 0  # starts that lost their port to another process and were retried
+        self._assign_port()
+        # One stub log across retried starts, so a stub call in any attempt is seen.
+        self.stub_log = os.path.join(self.log_dir, f"sgl-kernel-stub-{self.port}.log")
+        open(self.stub_log, "w").close()
+
+    def _assign_port(self) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(self.log_dir, f"server-{self.port}.log")
 
     # -- lifecycle -----------------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -91,9 +125,22 @@ class CpuServer:
         return cmd
 
     def start(self) -> "CpuServer":
+        for attempt in range(START_ATTEMPTS):
+            try:
+                return self._start_once()
+            except ServerStartError:
+                # The port was free when picked but someone bound it before the server did
+                # (the server binds only after loading the model). Not the server's fault: retry.
+                if attempt + 1 == START_ATTEMPTS or _PORT_LOST not in self.log_text().lower():
+                    raise
+                self.port_retries += 1
+                self.tree_pids = set()
+                self._assign_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "CpuServer":
         env = cpu_server_env(_tp_size(self.args), self.attention_backend, self.stub_log)
         env.update(self.extra_env)
-        open(self.stub_log, "w").close()
         self._log = open(self.log_path, "w")
         self._log.write("$ " + " ".join(self.command()) + "\n")
         self._log.flush()
