@@ -15,7 +15,7 @@ keys this rank owns at positions <= p; a rank that owns none returns output 0, L
   extend kernel with ``lse_extend``: every rank attends its *owned prefix* (1/KVP of the prefix
   work each); the causal attention of the chunk being prefilled over itself is computed once, by
   KVP rank 0, from the K/V in hand (``skip_extend`` elsewhere). Exact, but that chunk-local part is
-  not split across ranks (see docs/helix-attention.md).
+  not split across ranks (see docs/helix-design.md, section 3).
 
 Per-batch index metadata (write rows, local KV lists) is built once per forward batch, on the
 first layer, and cached on the ``ForwardBatch``.

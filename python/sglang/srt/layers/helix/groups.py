@@ -14,7 +14,7 @@ Why this order: after the All-to-All, KVP rank ``k`` of TPA slice ``t`` holds ex
 for query heads ``t*Q/TPA + k*Q/N ... + Q/N``, i.e. heads ``[tp_rank*Q/N, (tp_rank+1)*Q/N)``: exactly
 the row shard of ``o_proj`` that plain TP=N gives ``tp_rank``. So o_proj, the MLP, embeddings and
 lm_head are untouched TP=N layers, and ``qkv_proj`` is upstream's
-``ReplicatedParallelGroup("tp", KVP)`` (rank ``tp_rank // KVP`` of ``TPA``). See docs/helix-layout.md.
+``ReplicatedParallelGroup("tp", KVP)`` (rank ``tp_rank // KVP`` of ``TPA``). See docs/helix-design.md (section 1).
 
 Groups are built from each TP group's global ranks, so they stay stage-local with PP > 1.
 """
