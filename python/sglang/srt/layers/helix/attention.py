@@ -51,6 +51,11 @@ class HelixForwardMetadata:
     prefix_kv_indptr: Optional[torch.Tensor] = None  # extend: local list of positions [0, prefix_len)
     prefix_kv_indices: Optional[torch.Tensor] = None
     qo_indptr: Optional[torch.Tensor] = None  # extend: [B+1]
+    # torch_native: global positions of the listed keys [L], and kv_indptr on the host
+    kv_positions: Optional[torch.Tensor] = None
+    kv_indptr_host: Optional[list] = None
+    # triton decode: stage-1 split buffers, allocated on the first layer and reused by the others
+    decode_splits: Optional[tuple] = None  # (attn_logits [B, H, S, Dv], attn_lse [B, H, S], num_kv_splits [B])
 
     @classmethod
     def build(cls, forward_batch) -> "HelixForwardMetadata":
@@ -136,8 +141,12 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
     group = H // layer.tp_k_head_num
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    key_pos = kv_layout.owned_positions(meta.kv_indptr, meta.total_local, meta.kvp_rank, meta.kvp_size, meta.chunk)
-    indptr = meta.kv_indptr.tolist()  # CPU path: host values are free here
+    if meta.kv_positions is None:  # once per batch (CPU path: host values are free here)
+        meta.kv_positions = kv_layout.owned_positions(
+            meta.kv_indptr, meta.total_local, meta.kvp_rank, meta.kvp_size, meta.chunk
+        )
+        meta.kv_indptr_host = meta.kv_indptr.tolist()
+    key_pos, indptr = meta.kv_positions, meta.kv_indptr_host
     if forward_batch.forward_mode.is_decode():
         q_lens = [1] * (len(indptr) - 1)
     else:
@@ -182,9 +191,14 @@ def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, b
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if forward_batch.forward_mode.is_decode():
         splits = backend.max_kv_splits
-        attn_logits = torch.empty(T, H, splits, layer.v_head_dim, dtype=torch.float32, device=q.device)
-        attn_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-        num_kv_splits = torch.full((T,), splits, dtype=torch.int32, device=q.device)
+        shape = (T, H, splits, layer.v_head_dim)
+        if meta.decode_splits is None or meta.decode_splits[0].shape != shape:
+            meta.decode_splits = (
+                torch.empty(shape, dtype=torch.float32, device=q.device),
+                torch.empty(shape[:3], dtype=torch.float32, device=q.device),
+                torch.full((T,), splits, dtype=torch.int32, device=q.device),
+            )  # once per batch: every layer has the same head counts
+        attn_logits, attn_lse, num_kv_splits = meta.decode_splits
         decode_attention_fwd(
             q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, attn_logits, attn_lse,
             num_kv_splits, splits, layer.scaling, k_descale, v_descale, output_lse=lse,
