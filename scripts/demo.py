@@ -13,7 +13,7 @@ import time
 
 import openai
 
-from sglang_helix.testing.server import CpuServer
+from sglang_helix.testing.server import CpuServer, ServerStartError
 from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,8 +32,18 @@ def main() -> int:
     server_args = ["--tp", str(args.tp), "--helix-kvp-size", str(args.helix_kvp_size), *args.server_args]
     print(f"model:  {model}")
     print(f"server: python -m sglang.launch_server --device cpu --attention-backend {args.attention_backend} {' '.join(server_args)}")
+    try:
+        serve_and_ask(model, server_args, args.attention_backend)
+    except ServerStartError as e:  # e.g. flags the server refuses: its one-line error ends the log tail
+        print(f"demo: the server did not start.\n{e}", file=sys.stderr)
+        return 1
+    print("server stopped; no process left")
+    return 0
+
+
+def serve_and_ask(model: str, server_args: list, attention_backend: str) -> None:
     t0 = time.time()
-    with CpuServer(model, server_args, attention_backend=args.attention_backend, log_dir=os.path.join(ROOT, ".cache")) as srv:
+    with CpuServer(model, server_args, attention_backend=attention_backend, log_dir=os.path.join(ROOT, ".cache")) as srv:
         print(f"ready in {time.time() - t0:.0f}s at {srv.base_url} (log: {srv.log_path})\n")
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
 
@@ -56,8 +66,6 @@ def main() -> int:
                 n += 1
         print(f"\n  ({n} chunks)\n")
         print("shutting down")
-    print("server stopped; no process left")
-    return 0
 
 
 if __name__ == "__main__":
