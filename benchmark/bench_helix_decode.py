@@ -240,6 +240,12 @@ def main() -> int:
         args.dtype_bytes = 4 if args.cpu else 2
     if args.cpu == bool(args.base_url):
         p.error("give either --cpu or one or more --base-url")
+    for kvp in [k for k in args.kvp if k != 1] if args.cpu else []:  # 1 = plain TP; the rules: docs/helix-flags.md
+        tpa = args.tp // kvp if kvp >= 1 and args.tp % kvp == 0 else 0
+        if not tpa or tpa > args.kv_heads or args.kv_heads % tpa:
+            p.error(f"--kvp {kvp} with --tp {args.tp} and --kv-heads {args.kv_heads}: KVP must divide --tp and "
+                    f"TPA = tp/kvp must divide the KV heads (for --kv-heads {args.kv_heads}: TPA in "
+                    f"{[t for t in range(1, args.kv_heads + 1) if args.kv_heads % t == 0]})")
 
     if args.cpu:
         os.makedirs(args.work_dir, exist_ok=True)
