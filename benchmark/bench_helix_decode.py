@@ -134,10 +134,10 @@ def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
     if layout.kvp == 1:
         heads, tokens = max(1.0, k / layout.tp), context
     else:
+        from sglang.srt.layers.helix.ownership import local_kv_len_upper_bound
+
         heads = k / layout.tpa
-        # The largest shard: KVP rank 0 owns chunks 0, KVP, 2 KVP, ...
-        full, rest = divmod(context, layout.chunk * layout.kvp)
-        tokens = full * layout.chunk + min(rest, layout.chunk)
+        tokens = local_kv_len_upper_bound(context, layout.kvp, layout.chunk)  # the largest shard
     mib = heads * tokens * 2 * head_dim * dtype_bytes * cfg["num_hidden_layers"] / (1 << 20)
     return heads, tokens, mib
 
