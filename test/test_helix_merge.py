@@ -1,14 +1,21 @@
 """Helix All-to-All + LSE merge (sglang.srt.layers.helix.comm).
 
-In-process: ``merge_partials`` against full attention in float64, extreme and empty shards.
-Multi-process (gloo, forkserver children, world sizes 2/4/8): the exact head redistribution of
-``helix_a2a_exchange``, end-to-end ``helix_a2a_merge`` == full attention for each rank's Q/N heads,
-ONE All-to-All per call whose byte count does not depend on the sequence length.
+Both paths of comm: upstream's Triton kernels (interpreted here on a CPU) and the torch path taken
+where they cannot run (a CPU tensor without TRITON_INTERPRET).
+In-process: ``merge_partials`` against full attention in float64, extreme and empty shards, on each
+path; the torch pack writes the kernel's send buffer bit for bit and the torch merge matches the
+kernel; a CPU process without the interpreter takes the torch path (subprocess).
+Multi-process (gloo, forkserver children, world sizes 2/4/8; Triton, torch, and ranks of both
+paths in one group): the exact head redistribution of ``helix_a2a_exchange``, end-to-end
+``helix_a2a_merge`` == full attention for each rank's Q/N heads, ONE All-to-All per call whose byte
+count does not depend on the sequence length.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -25,7 +32,9 @@ if not torch.cuda.is_available():
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sglang.srt.layers.helix import comm
 from sglang.srt.layers.helix.comm import (
+    a2a_buffer_shape,
     helix_a2a_bytes,
     helix_a2a_exchange,
     helix_a2a_merge,
@@ -45,6 +54,14 @@ def test_kernels_run_here():
             "the DCP kernels were imported before TRITON_INTERPRET=1 was set; run this test file "
             "in its own process or export TRITON_INTERPRET=1"
         )
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request, monkeypatch):
+    """Run the test on the Triton kernels, then again with comm forced onto its torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(comm, "use_triton", lambda device: False)
+    return request.param
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +122,7 @@ def rel_err(x, ref):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kvp", [2, 4, 8])
-def test_merge_equals_full_attention(kvp, dtype):
+def test_merge_equals_full_attention(kvp, dtype, path):
     T, Hq, Hkv, D, S, chunk = 4, 4, 2, 32, 45, 4
     seq_lens = [S, 1, chunk + 1, 30]  # token 1 lives on rank 0 only, token 2 on ranks 0-1
     q, k, v = make_problem(kvp, T, Hq, Hkv, D, S)
@@ -131,7 +148,7 @@ def ref_merge(outs, lses):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_extreme_lse(dtype):
+def test_merge_extreme_lse(dtype, path):
     g = torch.Generator().manual_seed(7)
     N, T, H, D = 4, 3, 4, 16
     outs = torch.randn(N, T, H, D, generator=g).to(dtype)
@@ -151,7 +168,7 @@ def test_merge_extreme_lse(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_all_but_one_empty(dtype):
+def test_merge_all_but_one_empty(dtype, path):
     g = torch.Generator().manual_seed(3)
     N, T, H, D = 4, 2, 2, 16
     for keep in range(N):
@@ -165,12 +182,119 @@ def test_merge_all_but_one_empty(dtype):
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
-def test_merge_all_empty_is_zero_not_nan():  # (the interpreter warns on the expected log(0))
+def test_merge_all_empty_is_zero_not_nan(path):  # (the interpreter warns on the expected log(0))
     outs = torch.zeros(4, 2, 2, 16)
     lses = torch.full((4, 2, 2), float("-inf"))
     out, lse = merge_partials(outs.to(DEVICE), lses.to(DEVICE))
     assert torch.equal(out.cpu(), torch.zeros(2, 2, 16))
     assert torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch path against the Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+SPECIAL_LSE = (float("-inf"), float("inf"), float("nan"), 1e30, -1e30, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kvp", [2, 4, 8])
+def test_torch_pack_writes_the_kernels_send_buffer(kvp, dtype):
+    g = torch.Generator().manual_seed(kvp)
+    T, H, D = 5, 2 * kvp, 16
+    out = torch.randn(T, 2 * H, D, generator=g).to(dtype)[:, ::2]  # strided heads: a slice
+    lse = torch.randn(T, H, generator=g) * 100
+    lse.view(-1)[: len(SPECIAL_LSE)] = torch.tensor(SPECIAL_LSE)  # carried as bits, never read
+    shape = a2a_buffer_shape(T, H, D, dtype, kvp)
+    by_kernel = torch.full(shape, 1.0, dtype=dtype, device=DEVICE)
+    by_torch = torch.full(shape, 2.0, dtype=dtype, device=DEVICE)  # so every byte must be written
+    comm._pack_send(out.to(DEVICE), lse.to(DEVICE), by_kernel, triton=True)
+    comm._pack_send(out.to(DEVICE), lse.to(DEVICE), by_torch, triton=False)
+    assert torch.equal(by_torch.view(torch.uint8), by_kernel.view(torch.uint8))
+
+
+def _received(g, kvp, T, H, D, dtype):
+    """Partials as the exchange leaves them: strided views into one [KVP, T, H, D + lpd] buffer.
+
+    Row 0: every shard empty; row 1: NaN and +inf LSE shards (read as empty) beside real ones;
+    row 2: LSEs 1e4 apart; the rest random. An empty (-inf) shard has output 0.
+    """
+    out = torch.randn(T, kvp * H, D, generator=g)
+    lse = torch.randn(T, kvp * H, generator=g) * 30
+    lse[0] = float("-inf")
+    lse[1, 0::kvp], lse[1, 1::kvp] = float("nan"), float("inf")
+    lse[2] = lse[2] + 1e4 * (torch.arange(kvp * H) % 3 - 1)
+    out[torch.isneginf(lse)] = 0.0
+    buf = torch.empty(a2a_buffer_shape(T, kvp * H, D, dtype, kvp), dtype=dtype, device=DEVICE)
+    comm._pack_send(out.to(dtype).to(DEVICE), lse.to(DEVICE), buf, triton=False)
+    # Reading the head-major layout as if it came from KVP peers: recv[j] = slice j of the heads.
+    lse_word = D // (buf.shape[3] - D)  # the fp32 word after the D output columns
+    return buf[..., :D], buf.view(torch.float32)[..., lse_word]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kvp", [2, 4, 8])
+def test_torch_merge_matches_the_kernel(kvp, dtype):
+    g = torch.Generator().manual_seed(10 + kvp)
+    outs, lses = _received(g, kvp, 6, 2, 32, dtype)
+    assert outs.stride(2) != outs.shape[3]  # really the strided receive views
+    out_k, lse_k = comm._combine(outs, lses, True, triton=True)
+    out_t, lse_t = comm._combine(outs, lses, True, triton=False)
+    assert out_t.dtype == dtype and lse_t.dtype == torch.float32
+    assert not out_t.isnan().any() and not lse_t.isnan().any()
+    assert not out_t[0].any() and torch.isneginf(lse_t[0]).all()  # every shard empty: 0, -inf
+    # exp differs by an ulp between the two (numpy / torch); bf16: at most one bf16 ulp apart.
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(out_t.float(), out_k.float(), rtol=rtol, atol=1e-6)
+    torch.testing.assert_close(lse_t, lse_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(comm._combine(outs, lses, False, triton=False)[0], out_t)
+    empty = lses.isnan() | lses.isposinf()  # what the merge reads as an empty shard
+    ref_out, ref_lse = ref_merge(outs.cpu(), lses.masked_fill(empty, float("-inf")).cpu())
+    assert rel_err(out_t.cpu(), ref_out) <= TOL[dtype]
+    torch.testing.assert_close(lse_t.cpu().double(), ref_lse, rtol=1e-6, atol=1e-6)
+
+
+# Runs in a process without TRITON_INTERPRET (the pytest process has it: the kernels here are
+# interpreted since this module's import). A stand-in 2-rank group whose peer sends back exactly
+# what this rank sends: head slice j of the local partials arrives as source j's partial.
+_NO_INTERPRETER = r"""
+import torch
+from sglang.kernels.ops.attention import dcp_kernels
+from sglang.srt.layers.helix import comm
+
+class Loopback:
+    world_size = 2
+    def all_to_all_single(self, output, input):
+        output.copy_(input)
+
+kernel = type(dcp_kernels._dcp_lse_combine_kernel).__name__
+assert kernel != "InterpretedFunction", "interpreted kernels: nothing tested"
+g = torch.Generator().manual_seed(0)
+T, H, D = 3, 4, 16
+out, lse = torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g) * 10
+out[0], lse[0] = 0.0, float("-inf")  # a token none of the shards holds
+merged = comm.helix_a2a_merge(out, lse, Loopback())  # [T, H/2, D]
+outs = out.double().unflatten(1, (2, 2)).transpose(0, 1)  # [2, T, H/2, D]: source j = slice j
+lses = lse.double().unflatten(1, (2, 2)).transpose(0, 1)
+m = lses.amax(0)
+m = torch.where(torch.isneginf(m), 0.0, m)
+w = torch.exp(lses - m)
+ref = (w[..., None] * outs).sum(0) / w.sum(0).clamp_min(1.0)[..., None]
+assert not merged.isnan().any() and torch.equal(merged[0], torch.zeros(H // 2, D))
+err = (merged.double() - ref).abs().max().item()
+assert err < 1e-6, err
+print("torch path ok", err)
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU without the interpreter")
+def test_cpu_without_interpreter_takes_the_torch_path():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-c", _NO_INTERPRETER]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "torch path ok" in proc.stdout
 
 
 def test_merge_rejects_what_the_kernels_cannot_do():
@@ -265,8 +389,12 @@ def _local_partial(rank, world, kvp, S, seq_lens, dtype):
     return o.to(dtype), l, ref_out[:, rank * HN : (rank + 1) * HN]
 
 
-def _worker(rank, world, init_file):
+def _worker(rank, world, init_file, path):
     torch.set_num_threads(1)
+    triton = path == "triton" or (path == "mixed" and rank % 2 == 0)  # mixed: both in each group
+    if not triton:
+        comm.use_triton = lambda device: False  # this child only
+    assert comm.use_triton(torch.device("cpu")) == (triton and DEVICE == "cpu")  # interpreted
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=timedelta(seconds=60),
@@ -303,14 +431,14 @@ def _worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
-def _run(world, timeout_s=90.0):
+def _run(world, path, timeout_s=90.0):
     """Start ``world`` forkserver children, wait at most ``timeout_s``; never leave one behind."""
     # Children fork from a server that has imported torch and the kernels once (a spawned child
     # would pay ~5 s of imports each).
     mp.set_forkserver_preload(["sglang.srt.layers.helix.comm", "sglang.srt.distributed.parallel_state"])
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
-            _worker, args=(world, os.path.join(tmp, "init")), nprocs=world, join=False,
+            _worker, args=(world, os.path.join(tmp, "init"), path), nprocs=world, join=False,
             start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
@@ -329,6 +457,7 @@ def _run(world, timeout_s=90.0):
                     p.join()
 
 
+@pytest.mark.parametrize("path", ["triton", "torch", "mixed"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_a2a_merge_multiprocess(world):
-    _run(world)
+def test_a2a_merge_multiprocess(world, path):
+    _run(world, path)

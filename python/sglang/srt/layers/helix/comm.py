@@ -17,8 +17,15 @@ Reuses upstream's DCP A2A kernels (``sglang.kernels.ops.attention.dcp_kernels``)
   empty shard; a token whose shards are all empty merges to 0 with LSE -inf).
 
 Constraints they bring (checked, fail fast): ``H % KVP == 0``; ``D % lpd == 0``; ``D`` a power of
-two (the combine kernel loads a whole head row with ``tl.arange(0, D)``). They are Triton kernels:
-on a CPU they run only under ``TRITON_INTERPRET=1`` (about 2 ms per (token, head) program there).
+two (the combine kernel loads a whole head row with ``tl.arange(0, D)``).
+
+Where the Triton kernels cannot run -- a CPU tensor without ``TRITON_INTERPRET=1`` (Triton reads it
+when the kernels are decorated, at import), or a device Triton does not target -- the same two steps
+run as plain torch ops (``_pack_send_torch``, ``_combine_torch``): the same send buffer bytes (so a
+peer's receive side never depends on which path the sender took), the same merge formula and
+empty-shard / NaN rules in fp32, one collective either way. ``use_triton(device)`` picks, once per
+call. Under the interpreter the kernels run on CPU tensors too (about 2 ms per (token, head)
+program), which is how the CPU harness exercises the GPU code.
 
 Not reused:
 - upstream ``merge_state`` (``merge_state_triton`` / ``merge_state_v2``) is two-way: ``KVP - 1``
@@ -35,6 +42,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from sglang.kernels.ops.attention import dcp_kernels
 from sglang.kernels.ops.attention.dcp_kernels import (
     _lse_pack_dim,
     dcp_lse_combine_triton,
@@ -44,6 +52,18 @@ from sglang.kernels.ops.attention.dcp_kernels import (
 # The KVP group: a SGLang GroupCoordinator (used through ``world_size`` and ``all_to_all_single``;
 # on CPU that needs patch 0008) or a plain torch.distributed ProcessGroup.
 HelixGroup = Union["GroupCoordinator", dist.ProcessGroup]  # noqa: F821
+
+# Triton decided when it decorated the kernels (at import) whether they run interpreted.
+_KERNELS_INTERPRETED = type(dcp_kernels._dcp_lse_combine_kernel).__name__ == "InterpretedFunction"
+_TRITON_DEVICES = ("cuda", "xpu")  # compiled kernels (ROCm tensors are "cuda" too)
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton pack / combine kernels can run on ``device``; else the torch path.
+
+    Compiled on CUDA / ROCm / XPU; on any other device (the CPU) only under the interpreter.
+    """
+    return device.type in _TRITON_DEVICES or _KERNELS_INTERPRETED
 
 
 def _group_size(group: HelixGroup) -> int:
@@ -99,6 +119,58 @@ def helix_a2a_bytes(
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
+def _pack_send_torch(partial_out: torch.Tensor, lse: torch.Tensor, send: torch.Tensor) -> None:
+    """``dcp_pack_a2a_send`` as two copies: ``send [KVP, T, H/KVP, D + lpd]``, same bytes."""
+    kvp_size, _, h, _ = send.shape  # h = H/KVP
+    D = partial_out.shape[2]
+    lpd = _lse_pack_dim(partial_out.dtype)
+    send[..., :D].copy_(partial_out.unflatten(1, (kvp_size, h)).transpose(0, 1))
+    send.view(torch.float32)[..., D // lpd].copy_(lse.unflatten(1, (kvp_size, h)).transpose(0, 1))
+
+
+def _pack_send(
+    partial_out: torch.Tensor, lse: torch.Tensor, send: torch.Tensor, triton: bool
+) -> None:
+    """Fill ``send [KVP, T, H/KVP, D + lpd]`` from ``partial_out [T, H, D]`` and ``lse [T, H]``.
+
+    ``send[k, t, h, :D] = partial_out[t, k * H/KVP + h]``; the fp32 word right after it (``lpd``
+    columns of the output dtype) holds ``lse[t, k * H/KVP + h]``.
+    """
+    if triton:
+        D = partial_out.shape[2]
+        lpd = _lse_pack_dim(partial_out.dtype)
+        dcp_pack_a2a_send(partial_out, lse, send[..., :D], send.view(torch.float32)[..., D // lpd])
+    else:
+        _pack_send_torch(partial_out, lse, send)
+
+
+def _combine_torch(
+    outs: torch.Tensor, lses: torch.Tensor, return_lse: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``dcp_lse_combine_triton`` (base e) in torch ops, the kernel's rules and fp32 math."""
+    neg_inf = float("-inf")
+    lses = lses.float().masked_fill(torch.isnan(lses) | torch.isposinf(lses), neg_inf)  # [N, T, H]
+    m = lses.amax(0)  # [T, H]
+    m = m.masked_fill(torch.isneginf(m), 0.0)  # every shard empty: all weights 0 below, not NaN
+    w = torch.exp(lses - m)  # [N, T, H]
+    total = w.sum(0)  # [T, H]: >= 1 (the max shard weighs 1) unless every shard is empty
+    out = (w[..., None] * outs.float()).sum(0) / total.clamp_min(1.0)[..., None]  # [T, H, D]
+    lse = torch.log(total) + m if return_lse else None  # -inf when every shard is empty
+    return out.to(outs.dtype), lse
+
+
+def _combine(
+    outs: torch.Tensor, lses: torch.Tensor, return_lse: bool, triton: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if not triton:
+        return _combine_torch(outs, lses, return_lse)
+    if return_lse:
+        # The upstream kernel stores the merged LSE with the *input* LSE's (T, H) strides into a
+        # contiguous [T, H] tensor, so the input must be contiguous for that store to be right.
+        lses = lses.contiguous()
+    return dcp_lse_combine_triton(outs, lses, is_lse_base_on_e=True, return_lse=return_lse)
+
+
 def merge_partials(
     outs: torch.Tensor, lses: torch.Tensor, return_lse: bool = True
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -121,11 +193,33 @@ def merge_partials(
     if lses.dtype != torch.float32:
         raise ValueError(f"helix merge: lses must be float32, got {lses.dtype}")
     _check_head_dim(outs.shape[3], outs.dtype)
-    if return_lse:
-        # The upstream kernel stores the merged LSE with the *input* LSE's (T, H) strides into a
-        # contiguous [T, H] tensor, so the input must be contiguous for that store to be right.
-        lses = lses.contiguous()
-    return dcp_lse_combine_triton(outs, lses, is_lse_base_on_e=True, return_lse=return_lse)
+    return _combine(outs, lses, return_lse, use_triton(outs.device))
+
+
+def _check_lse(partial_out: torch.Tensor, lse: torch.Tensor) -> None:
+    if partial_out.dim() != 3 or lse.shape != partial_out.shape[:2]:
+        raise ValueError(
+            f"helix merge: lse {tuple(lse.shape)} does not match partial_out "
+            f"{tuple(partial_out.shape)}"
+        )
+
+
+def _exchange(
+    partial_out: torch.Tensor, lse: torch.Tensor, group: HelixGroup, kvp_size: int, triton: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_lse(partial_out, lse)
+    T, H, D = partial_out.shape
+    shape = a2a_buffer_shape(T, H, D, partial_out.dtype, kvp_size)
+    lpd = shape[3] - D
+    send = torch.empty(shape, dtype=partial_out.dtype, device=partial_out.device)
+    recv = torch.empty_like(send)
+    _pack_send(partial_out, lse, send, triton)
+
+    # ONE collective, as raw bytes (as upstream does: fp8 outputs have no collective dtype; equal
+    # chunks stay exact). Chunk j of recv comes from rank j.
+    _all_to_all_single(group, recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8))
+
+    return recv[..., :D], recv.view(torch.float32)[..., D // lpd]
 
 
 def helix_a2a_exchange(
@@ -140,28 +234,10 @@ def helix_a2a_exchange(
         buffer). With ``KVP == 1``: ``(partial_out[None], lse[None])``, no collective.
     """
     kvp_size = _group_size(group)
-    T, H, D = partial_out.shape
-    if lse.shape != (T, H):
-        raise ValueError(
-            f"helix merge: lse {tuple(lse.shape)} does not match partial_out "
-            f"{tuple(partial_out.shape)}"
-        )
     if kvp_size == 1:
+        _check_lse(partial_out, lse)
         return partial_out[None], lse[None]
-    shape = a2a_buffer_shape(T, H, D, partial_out.dtype, kvp_size)
-    lpd = shape[3] - D
-
-    # send[k, t, h, :D] = partial_out[t, k * H/KVP + h]; the fp32 word right after it (lpd
-    # columns of the output dtype) holds lse[t, k * H/KVP + h].
-    send = torch.empty(shape, dtype=partial_out.dtype, device=partial_out.device)
-    recv = torch.empty_like(send)
-    dcp_pack_a2a_send(partial_out, lse, send[..., :D], send.view(torch.float32)[..., D // lpd])
-
-    # ONE collective, as raw bytes (as upstream does: fp8 outputs have no collective dtype; equal
-    # chunks stay exact). Chunk j of recv comes from rank j.
-    _all_to_all_single(group, recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8))
-
-    return recv[..., :D], recv.view(torch.float32)[..., D // lpd]
+    return _exchange(partial_out, lse, group, kvp_size, use_triton(partial_out.device))
 
 
 def helix_a2a_merge(
@@ -180,8 +256,10 @@ def helix_a2a_merge(
         ``[k * H/KVP, (k + 1) * H/KVP)`` of the local heads, ``k`` = this rank's index in
         ``group``. With ``KVP == 1`` this is ``partial_out`` itself (no copy, no collective).
     """
-    if _group_size(group) == 1:
+    kvp_size = _group_size(group)
+    if kvp_size == 1:
         return partial_out
-    outs, lses = helix_a2a_exchange(partial_out, lse, group)
-    out, _ = merge_partials(outs, lses, return_lse=False)
+    triton = use_triton(partial_out.device)  # Triton kernels or the torch path, for both steps
+    outs, lses = _exchange(partial_out, lse, group, kvp_size, triton)
+    out, _ = _combine(outs, lses, False, triton)
     return out
