@@ -27,10 +27,14 @@ def cpu_server_env(
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(num_ranks)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (STUB_DIR, env.get("PYTHONPATH", "")) if p)
-    # Triton kernels run on CPU tensors under the interpreter: slow but exact. Set for every
-    # backend: besides the triton attention backend, Helix's All-to-All merge runs upstream's
-    # Triton pack/combine kernels whatever the attention backend is.
-    env["TRITON_INTERPRET"] = "1"
+    # Triton kernels run on CPU tensors under the interpreter: slow but exact -- the kernel source
+    # a GPU compiles. Only for the triton attention backend: torch_native needs no Triton kernel
+    # (Helix's merge takes its torch path on a CPU without the interpreter, helix/comm.py), and
+    # the variable is removed even when the caller has it (test modules set it in pytest itself).
+    if attention_backend == "triton":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
     if stub_log:
         env["SGL_KERNEL_STUB_LOG"] = stub_log
     # Nothing may be fetched at run time.
