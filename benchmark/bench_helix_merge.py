@@ -1,9 +1,10 @@
-"""Cost of Helix's pack + N-way LSE merge kernels for one layer on one rank (no collective).
+"""Cost of Helix's pack + N-way LSE merge for one layer on one rank (no collective), both paths.
 
-The two kernels are upstream's DCP Triton kernels (``dcp_pack_a2a_send``, ``dcp_lse_combine_triton``
-through ``sglang.srt.layers.helix.comm``). On a GPU they are compiled; without one they run under
-``TRITON_INTERPRET=1`` (set here when CUDA is absent), which is what dominates Helix timings on the
-CPU harness (see benchmark/README.md).
+``triton``: upstream's DCP Triton kernels (``dcp_pack_a2a_send``, ``dcp_lse_combine_triton``
+through ``sglang.srt.layers.helix.comm``), compiled on a GPU; without one they run under
+``TRITON_INTERPRET=1`` (set here when CUDA is absent), as on the CPU harness with
+``--attention-backend triton``. ``torch``: comm's torch path (what a CPU server without the
+interpreter runs, e.g. ``--attention-backend torch_native`` on the CPU harness).
 
     .venv/bin/python benchmark/bench_helix_merge.py [--head-dim 64] [--tokens 1,64]
 """
@@ -19,8 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from sglang.kernels.ops.attention.dcp_kernels import dcp_pack_a2a_send  # noqa: E402
-from sglang.srt.layers.helix.comm import a2a_buffer_shape, merge_partials  # noqa: E402
+from sglang.srt.layers.helix import comm  # noqa: E402
 
 
 def _timed(fn, device, repeats):
@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens", default="1,64", help="tokens in the batch (T), comma-separated")
     p.add_argument("--layouts", default="2:4,4:8", help="KVP:Q/TPA pairs, comma-separated")
-    p.add_argument("--repeats", type=int, default=None, help="default: 2 interpreted, 100 on a GPU")
+    p.add_argument("--repeats", type=int, default=None, help="Triton: 2 interpreted, 100 on a GPU")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     repeats = args.repeats or (100 if device == "cuda" else 2)
@@ -50,13 +50,18 @@ def main() -> None:
         kvp, H = (int(x) for x in pair.split(":"))
         for T in (int(t) for t in args.tokens.split(",")):
             out, lse = torch.randn(T, H, D, device=device), torch.randn(T, H, device=device)
-            shape = a2a_buffer_shape(T, H, D, out.dtype, kvp)
-            send, lpd = torch.empty(shape, device=device), shape[3] - D  # as helix_a2a_exchange
+            send = torch.empty(comm.a2a_buffer_shape(T, H, D, out.dtype, kvp), device=device)
             outs = torch.randn(kvp, T, H // kvp, D, device=device)
             lses = torch.randn(kvp, T, H // kvp, device=device)
-            pack = _timed(lambda: dcp_pack_a2a_send(out, lse, send[..., :D], send.view(torch.float32)[..., D // lpd]), device, repeats)
-            merge = _timed(lambda: merge_partials(outs, lses, return_lse=False), device, repeats)
-            print(f"KVP {kvp} Q/TPA {H} T {T:4d}: pack {pack * 1e3:9.3f} ms, merge {merge * 1e3:9.3f} ms (per layer, per rank)")
+            times = []
+            for triton, n in ((True, repeats), (False, 100)):
+                times.append(_timed(lambda: comm._pack_send(out, lse, send, triton), device, n))
+                times.append(_timed(lambda: comm._combine(outs, lses, False, triton), device, n))
+            print(
+                f"KVP {kvp} Q/TPA {H} T {T:4d}: triton pack {times[0] * 1e3:9.3f} ms, merge "
+                f"{times[1] * 1e3:9.3f} ms | torch pack {times[2] * 1e3:7.3f} ms, merge "
+                f"{times[3] * 1e3:7.3f} ms (per layer, per rank)"
+            )
 
 
 if __name__ == "__main__":
