@@ -16,7 +16,8 @@ The reference is teacher-forced over the very tokens the server decoded; the gre
 then also checked against transformers' argmax.
 
 Layouts: ``--tp 4 --helix-kvp-size 2 --helix-kvp-chunk-size 4`` on a GQA model (Q=8, K=4: TPA=2,
-two KV heads per rank); opt-in (``HELIX_TEST_EXTRA=1``, one more server start)
+two KV heads per rank), on both attention backends (``triton`` is the write/read path the GPU
+uses); opt-in (``HELIX_TEST_EXTRA=1``, one more server start)
 ``--tp 4 --helix-kvp-size 4 --helix-kvp-chunk-size 2`` on an MQA model (K=1: TPA=1), which the CPU
 engine runs with its KV heads zero-padded to 4 (see ``_real_heads``).
 """
@@ -53,7 +54,13 @@ LAYOUTS = {
 }
 # One server start is ~1-1.5 min on 2 cores: the second layout is opt-in (HELIX_TEST_EXTRA=1).
 EXTRA = pytest.mark.skipif(not os.environ.get("HELIX_TEST_EXTRA"), reason="opt-in: HELIX_TEST_EXTRA=1")
-PARAMS = [pytest.param(name, marks=EXTRA if name.endswith("mqa") else ()) for name in LAYOUTS]
+# Both backends write and read the pool their own way (torch_native: gather by row; triton: the
+# decode/extend kernels over the local KV list, the path the GPU uses).
+PARAMS = [
+    pytest.param("tp4-kvp2-c4-gqa", "torch_native", id="tp4-kvp2-c4-gqa-torch_native"),
+    pytest.param("tp4-kvp2-c4-gqa", "triton", id="tp4-kvp2-c4-gqa-triton"),
+    pytest.param("tp4-kvp4-c2-mqa", "torch_native", id="tp4-kvp4-c2-mqa-torch_native", marks=EXTRA),
+]
 
 
 def _complete(base_url: str, prompt_ids: list[int], max_tokens: int) -> dict:
@@ -129,8 +136,8 @@ def _load_dumps(dump_dir: str):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", PARAMS)
-def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, layout):
+@pytest.mark.parametrize("layout,backend", PARAMS)
+def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, layout, backend):
     import torch
 
     spec, args = LAYOUTS[layout]
@@ -144,7 +151,7 @@ def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, 
 
     timeout = float(os.environ.get("HELIX_TEST_STARTUP_TIMEOUT", "900"))
     srv = CpuServer(
-        model_path, args, attention_backend="torch_native", startup_timeout=timeout, log_dir=server_log_dir,
+        model_path, args, attention_backend=backend, startup_timeout=timeout, log_dir=server_log_dir,
         extra_env={"SGLANG_HELIX_DEBUG_KV_DIR": str(dump_dir)},
     ).start()  # fmt: skip
     try:
@@ -208,4 +215,4 @@ def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, 
                     f"layer {layer} slot {slot} TPA slice {t}: positions {sorted(set(range(seq_len)) - set(owners))} missing"
                 )
         assert logits[n - 1 : -1].argmax(-1).tolist() == gen, "server's greedy tokens differ from transformers'"
-    print(f"{layout}: {len(REQUESTS)} requests x {spec.num_layers} layers x 4 ranks; max |dK|,|dV| = {worst:.2e}")
+    print(f"{layout} {backend}: {len(REQUESTS)} requests x {spec.num_layers} layers x 4 ranks; max |dK|,|dV| = {worst:.2e}")
