@@ -17,8 +17,7 @@ then also checked against transformers' argmax.
 
 Layouts: ``--tp 4 --helix-kvp-size 2 --helix-kvp-chunk-size 4`` on a GQA model (Q=8, K=4: TPA=2,
 two KV heads per rank), on both attention backends (``triton`` is the write/read path the GPU
-uses); opt-in (``HELIX_TEST_EXTRA=1``, one more server start)
-``--tp 4 --helix-kvp-size 4 --helix-kvp-chunk-size 2`` on an MQA model (K=1: TPA=1), which the CPU
+uses); and ``--tp 4 --helix-kvp-size 4 --helix-kvp-chunk-size 2`` on an MQA model (K=1: TPA=1), which the CPU
 engine runs with its KV heads zero-padded to 4 (see ``_real_heads``).
 """
 
@@ -52,14 +51,12 @@ LAYOUTS = {
     "tp4-kvp2-c4-gqa": (GQA, ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "4", "--chunked-prefill-size", "16"]),
     "tp4-kvp4-c2-mqa": (MQA, ["--tp", "4", "--helix-kvp-size", "4", "--helix-kvp-chunk-size", "2"]),
 }
-# One server start is ~1-1.5 min on 2 cores: the second layout is opt-in (HELIX_TEST_EXTRA=1).
-EXTRA = pytest.mark.skipif(not os.environ.get("HELIX_TEST_EXTRA"), reason="opt-in: HELIX_TEST_EXTRA=1")
 # Both backends write and read the pool their own way (torch_native: gather by row; triton: the
 # decode/extend kernels over the local KV list, the path the GPU uses).
 PARAMS = [
     pytest.param("tp4-kvp2-c4-gqa", "torch_native", id="tp4-kvp2-c4-gqa-torch_native"),
     pytest.param("tp4-kvp2-c4-gqa", "triton", id="tp4-kvp2-c4-gqa-triton"),
-    pytest.param("tp4-kvp4-c2-mqa", "torch_native", id="tp4-kvp4-c2-mqa-torch_native", marks=EXTRA),
+    pytest.param("tp4-kvp4-c2-mqa", "torch_native", id="tp4-kvp4-c2-mqa-torch_native"),
 ]
 
 
