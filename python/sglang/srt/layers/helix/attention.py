@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -113,7 +113,12 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
     v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     backend = get_attn_backend()
     kv_pool = backend.token_to_kv_pool
-    kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
+    if forward_batch.forward_mode.is_extend() and _kv_scales(layer, kv_pool, k.dtype):
+        # The write divides k/v by the KV scales in place; the Triton extend still reads the
+        # chunk being prefilled from them (as upstream's Triton backend, clone first).
+        kv_pool.set_kv_buffer(layer, meta.write_rows, k.clone(), v.clone(), layer.k_scale, layer.v_scale)
+    else:
+        kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
     if _DEBUG_KV_DIR:  # debug only (SGLANG_HELIX_DEBUG_KV_DIR); off by default
         _debug_dump_kv(layer, forward_batch, meta, kv_pool)
 
@@ -137,6 +142,7 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
     _check_layer(layer)
     k_buf = kv_pool.get_key_buffer(layer.layer_id)
     v_buf = kv_pool.get_value_buffer(layer.layer_id)
+    k_descale, v_descale = _kv_scales(layer, kv_pool, q.dtype) or (1.0, 1.0)
     T, H, _ = q.shape
     group = H // layer.tp_k_head_num
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
@@ -159,8 +165,8 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         if hi == lo:
             continue  # this rank owns none of the request's tokens: neutral partial
         rows = meta.kv_indices[lo:hi]
-        kb = k_buf[rows].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        vb = v_buf[rows].float().repeat_interleave(group, dim=1)
+        kb = (k_buf[rows].float() * k_descale).repeat_interleave(group, dim=1)  # [L, H, D]
+        vb = (v_buf[rows].float() * v_descale).repeat_interleave(group, dim=1)
         s = torch.einsum("thd,lhd->htl", q[tok].float(), kb) * layer.scaling  # [H, t, L]
         visible = key_pos[lo:hi][None, :] <= forward_batch.positions[tok][:, None].long()  # [t, L]
         s = s.masked_fill(~visible[None], float("-inf"))
@@ -172,10 +178,18 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
     return out, lse
 
 
-def _descales(layer):
-    if layer.k_scale is not None and layer.v_scale is not None:
+def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, float]]:
+    """``(k_scale, v_scale)`` when the pool's write divides K/V of ``dtype`` by them, else None.
+
+    As ``MHATokenToKVPool.set_kv_buffer``: it scales only when it converts (an fp8 pool), by the
+    layer's KV scales (a checkpoint's, or floats set by ``--quantization-param-path``). Reads of
+    the pool multiply them back.
+    """
+    if layer.k_scale is None or layer.v_scale is None or dtype == kv_pool.dtype:
+        return None
+    if layer.k_scale_float is not None:
         return layer.k_scale_float, layer.v_scale_float
-    return 1.0, 1.0
+    return float(layer.k_scale), float(layer.v_scale)
 
 
 def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend):
@@ -185,7 +199,7 @@ def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, b
     _check_layer(layer)
     k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
-    k_descale, v_descale = _descales(layer)
+    k_descale, v_descale = _kv_scales(layer, backend.token_to_kv_pool, q.dtype) or (1.0, 1.0)
     T, H, _ = q.shape
     out = torch.empty(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
