@@ -85,6 +85,14 @@ def fake_launcher(tmp_path):
     return str(path)
 
 
+def test_triton_interpreter_only_for_the_triton_backend():
+    from sglang_helix.testing.cpu_env import cpu_server_env
+
+    caller = {"TRITON_INTERPRET": "1"}  # as in a pytest process that imported the kernel tests
+    assert cpu_server_env(2, "triton", base={})["TRITON_INTERPRET"] == "1"
+    assert "TRITON_INTERPRET" not in cpu_server_env(2, "torch_native", base=caller)
+
+
 def test_free_port_avoids_the_ephemeral_and_sglang_ranges():
     from sglang_helix.testing import server
 
