@@ -12,7 +12,8 @@ Each case drives ``helix_attention`` on both ranks of a KVP = 2 layout, one real
 prefill of two requests (two extends) and two decode steps. The All-to-All is replaced by
 collecting every rank's partials and merging them with ``merge_partials``. Reference: float64
 attention over the dequantized stored K/V (``stored * scale``), except the chunk a Triton extend
-is prefilling, which the kernel reads unquantized from the K/V in hand.
+is prefilling, which the kernel reads unquantized from the K/V in hand. The default (a float32
+pool, no scales) runs the same way.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: log(0) of empty KV
 
 H, KVH, D = 4, 2, 16  # query heads, KV heads (GQA 2), head dim
-K_SCALE, V_SCALE = 2.5, 0.25
 KVP, CHUNK = 2, 2
 MAX_LEN = 32
 # (slot, prefix_len, seq_len) per request, per step: a chunked prefill, then two decode steps.
@@ -72,11 +72,13 @@ class _TorchNativeBackend(TorchNativeAttnBackend):
 BACKENDS = {"triton": _TritonBackend, "torch_native": _TorchNativeBackend}
 
 
-def _layer():
+def _layer(scales):
+    k_scale, v_scale = scales or (None, None)
     return SimpleNamespace(
         layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
-        k_scale=torch.tensor(K_SCALE), v_scale=torch.tensor(V_SCALE),
-        k_scale_float=K_SCALE, v_scale_float=V_SCALE, logit_cap=0.0, sliding_window_size=-1,
+        k_scale=None if scales is None else torch.tensor(k_scale),
+        v_scale=None if scales is None else torch.tensor(v_scale),
+        k_scale_float=k_scale, v_scale_float=v_scale, logit_cap=0.0, sliding_window_size=-1,
     )  # fmt: skip
 
 
@@ -108,14 +110,20 @@ def _reference(q, keys, values, reqs):
     return torch.stack(out)
 
 
-# fp8 dtype, its largest relative rounding error (3 or 2 mantissa bits)
-FP8 = {"e4m3": (torch.float8_e4m3fn, 2**-4), "e5m2": (torch.float8_e5m2, 2**-3)}
+# KV dtype, its largest relative rounding error (3 or 2 mantissa bits), the layer's (k, v) scales.
+# "plain": the default, a pool in the model dtype and no scales.
+KV_CACHES = {
+    "e4m3": (torch.float8_e4m3fn, 2**-4, (2.5, 0.25)),
+    "e5m2": (torch.float8_e5m2, 2**-3, (2.5, 0.25)),
+    "plain": (torch.float32, 0.0, None),
+}
 
 
-@pytest.mark.parametrize("fp8_name", list(FP8))
+@pytest.mark.parametrize("kv_cache", list(KV_CACHES))
 @pytest.mark.parametrize("backend_name", ["torch_native", "triton"])
-def test_fp8_kv_with_scales(monkeypatch, backend_name, fp8_name):
-    fp8, rounding = FP8[fp8_name]
+def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
+    kv_dtype, rounding, scales = KV_CACHES[kv_cache]
+    k_scale, v_scale = scales or (1.0, 1.0)
     g = torch.Generator().manual_seed(0)
     page = CHUNK * KVP
     # Logical locs, paged as the Helix allocator pages them (loc % page == pos % page); page 0 reserved.
@@ -124,10 +132,10 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, fp8_name):
         req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
     rows_per_rank = (2 * MAX_LEN + 1) * CHUNK
     pools = [
-        MHATokenToKVPool(rows_per_rank, 1, fp8, KVH, D, 1, "cpu", enable_memory_saver=False)
+        MHATokenToKVPool(rows_per_rank, 1, kv_dtype, KVH, D, 1, "cpu", enable_memory_saver=False)
         for _ in range(KVP)
     ]  # fmt: skip
-    layer = _layer()
+    layer = _layer(scales)
     partials = []
     monkeypatch.setattr(attention, "helix_a2a_merge", lambda out, lse, group: partials.append((out, lse)) or out)
     keys = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}  # what attention should see, by (slot, pos)
@@ -136,7 +144,7 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, fp8_name):
     for mode, reqs in STEPS:
         T = sum(n - p for _, p, n in reqs)
         # q exactly representable in fp8: the Triton extend kernel casts q to the KV dtype for the prefix.
-        q = torch.randn(T, H, D, generator=g).to(fp8).float()
+        q = torch.randn(T, H, D, generator=g).to(kv_dtype).float()
         k = torch.randn(T, KVH, D, generator=g) * 2
         v = torch.randn(T, KVH, D, generator=g)
         partials.clear()
@@ -161,12 +169,12 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, fp8_name):
             rows, _ = kv_layout.write_rows(locs, 0, KVP, CHUNK)
             for pos in range(seq):
                 pool = pools[owner_rank(pos, KVP, CHUNK)]
-                keys[slot][pos] = pool.get_key_buffer(0)[rows[pos]].float() * K_SCALE
-                values[slot][pos] = pool.get_value_buffer(0)[rows[pos]].float() * V_SCALE
+                keys[slot][pos] = pool.get_key_buffer(0)[rows[pos]].float() * k_scale
+                values[slot][pos] = pool.get_value_buffer(0)[rows[pos]].float() * v_scale
             for pos in range(prefix, seq):
-                # stored = fp8(k / scale)
-                torch.testing.assert_close(keys[slot][pos], k[t], rtol=rounding, atol=0.02)
-                torch.testing.assert_close(values[slot][pos], v[t], rtol=rounding, atol=0.02)
+                # stored = fp8(k / scale), or k itself in a plain pool
+                torch.testing.assert_close(keys[slot][pos], k[t], rtol=rounding, atol=0.02 if scales else 0)
+                torch.testing.assert_close(values[slot][pos], v[t], rtol=rounding, atol=0.02 if scales else 0)
                 if backend_name == "triton" and mode == "extend":
                     keys[slot][pos], values[slot][pos] = k[t], v[t]
                 t += 1
@@ -175,6 +183,6 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, fp8_name):
         ref = _reference(q, keys, values, reqs)
         # Triton's GQA kernels multiply fp8 V by the probabilities cast to fp8: up to ~0.06 (e4m3)
         # and ~0.18 (e5m2) off here. K/V left divided by the scales, or read back unscaled: > 2.
-        atol = 2.5 * rounding if backend_name == "triton" else 1e-5
+        atol = 2.5 * rounding if backend_name == "triton" and scales else 1e-5
         torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0, msg=lambda m: f"{mode} {reqs}: {m}")
 
