@@ -57,11 +57,11 @@ def stop_server(srv: CpuServer) -> None:
 _RESULTS: dict = {}
 
 
-def run_workload(model_path: str, args: list, backend: str, log_dir: str, workload, key=None):
+def run_workload(model_path: str, args: list, backend: str, log_dir: str, workload, key=None, extra_env=None):
     """Start a server with ``args``, run ``workload(base_url)``, stop it; cached per session."""
     key = key or (model_path, tuple(args), backend, getattr(workload, "__name__", str(workload)))
     if key not in _RESULTS:
-        srv = start_server(model_path, list(args), backend, log_dir)
+        srv = start_server(model_path, list(args), backend, log_dir, extra_env)
         try:
             _RESULTS[key] = workload(srv.base_url)
         finally:
