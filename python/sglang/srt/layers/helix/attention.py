@@ -122,12 +122,18 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
     if _DEBUG_KV_DIR:  # debug only (SGLANG_HELIX_DEBUG_KV_DIR); off by default
         _debug_dump_kv(layer, forward_batch, meta, kv_pool)
 
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     if isinstance(backend, TritonAttnBackend):
         out, lse = _triton_partial(layer, q, k, v, forward_batch, meta, backend)
-    else:
+    elif isinstance(backend, TorchNativeAttnBackend):
         out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
+    else:  # e.g. a HybridAttnBackend: the Helix hook refuses the flags that build one
+        raise NotImplementedError(
+            f"helix attention: no Helix path for the attention backend {type(backend).__name__}; "
+            "only TritonAttnBackend and TorchNativeAttnBackend run under --helix-kvp-size > 1"
+        )
     merged = helix_a2a_merge(out, lse, get_helix_kvp_group())  # [T, Q/N, Dv]
     return merged.reshape(merged.shape[0], -1)
 
