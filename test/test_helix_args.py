@@ -43,16 +43,18 @@ def cpu_engine_env():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """``model(q, k)``: a tiny Llama with q query heads and k KV heads (written once)."""
+    """``model(q, k, inter)``: a tiny Llama with q query heads, k KV heads and MLP width inter
+    (written once)."""
     root = tmp_path_factory.mktemp("helix-args-models")
     cache = {}
 
-    def make(q: int = 8, k: int = 4) -> str:
-        if (q, k) not in cache:
-            cache[(q, k)] = write_tiny_llama(
-                str(root / f"q{q}k{k}"), TinyLlamaSpec(num_heads=q, num_kv_heads=k)
+    def make(q: int = 8, k: int = 4, inter: int = 128) -> str:
+        if (q, k, inter) not in cache:
+            cache[(q, k, inter)] = write_tiny_llama(
+                str(root / f"q{q}k{k}i{inter}"),
+                TinyLlamaSpec(num_heads=q, num_kv_heads=k, intermediate_size=inter),
             )
-        return cache[(q, k)]
+        return cache[(q, k, inter)]
 
     return make
 
@@ -221,6 +223,9 @@ def _unsupported(feature, given, fix, why=""):
     )
 
 
+_HYBRID = "SGLang runs them through a HybridAttnBackend, which the Helix attention does not dispatch"
+_WRAPPED = "it wraps the attention backend, which the Helix attention does not dispatch"
+
 UNSUPPORTED = {
     "dcp": (
         ["--dcp-size", "2"],
@@ -292,6 +297,65 @@ UNSUPPORTED = {
         "--decode-attention-backend is fa3. Pass --attention-backend triton (or torch_native), "
         "or use --helix-kvp-size 1.",
     ),
+    # Prefill and decode on different backends: SGLang wraps them in a HybridAttnBackend, which
+    # helix_attention used to run through its per-request torch loop.
+    "split-backends": (
+        ["--prefill-attention-backend", "triton", "--decode-attention-backend", "torch_native"],
+        _unsupported("different prefill and decode attention backends",
+                     "--prefill-attention-backend triton --decode-attention-backend torch_native",
+                     "Pass one --attention-backend (triton or torch_native)", _HYBRID),
+    ),
+    "split-decode-backend": (
+        ["--attention-backend", "triton", "--decode-attention-backend", "torch_native"],
+        _unsupported("different prefill and decode attention backends",
+                     "--attention-backend triton --decode-attention-backend torch_native",
+                     "Pass one --attention-backend (triton or torch_native)", _HYBRID),
+    ),
+    # From the pass over every flag group (docs/helix-flags.md).
+    **{
+        case: (flags, _unsupported(feature, given or " ".join(flags), fix, why))
+        for case, flags, feature, given, fix, why in [
+            ("decoupled-spec", ["--decoupled-spec-role", "verifier"], "speculative decoding yet",
+             None, "Drop --decoupled-spec-role", ""),
+            ("flexkv", ["--enable-flexkv"], "prefix-cache extensions", None, "Drop --enable-flexkv",
+             "they need the radix cache, which Helix turns off"),
+            ("session-radix", ["--enable-session-radix-cache"], "prefix-cache extensions", None,
+             "Drop --enable-session-radix-cache", "they need the radix cache, which Helix turns off"),
+            ("streaming-session", ["--enable-streaming-session"], "streaming sessions yet", None,
+             "Drop --enable-streaming-session", "a session's next request reuses its KV as a prefix"),
+            ("unified-memory", ["--enable-unified-memory"], "the unified memory pool", None,
+             "Drop --enable-unified-memory", "Helix shards the per-layer KV pool by rows"),
+            ("page-major-kv", ["--enable-page-major-kv-layout"], "the unified memory pool", None,
+             "Drop --enable-page-major-kv-layout", "Helix shards the per-layer KV pool by rows"),
+            ("hisparse", ["--enable-hisparse"], "hierarchical sparse attention", None,
+             "Drop --enable-hisparse", ""),
+            ("kv-canary", ["--kv-canary", "log"], "the KV cache canary", None, "Drop --kv-canary",
+             "it reads the KV pool by allocator id, and Helix ids are not rows"),
+            ("mixed-chunk", ["--enable-mixed-chunk"], "mixed chunked prefill yet", None,
+             "Drop --enable-mixed-chunk", ""),
+            ("two-batch-overlap", ["--enable-two-batch-overlap"], "two-batch overlap", None,
+             "Drop --enable-two-batch-overlap", _WRAPPED),
+            ("pdmux", ["--enable-pdmux"], "PD multiplexing", None, "Drop --enable-pdmux", _WRAPPED),
+            ("megakernel", ["--enable-nvidia-megakernel"], "decode megakernels", None,
+             "Drop --enable-nvidia-megakernel", "they replace the decode forward, Helix attention included"),
+            ("mis", ["--enable-mis"], "multi-item scoring", None, "Drop --enable-mis",
+             "the Helix attention does not apply its attention mask"),
+            ("dllm", ["--dllm-algorithm", "LowConfidence"], "diffusion LLM inference", None,
+             "Drop --dllm-algorithm", ""),
+            ("layernorm-sp", ["--enable-layernorm-sp"], "sequence-parallel attention input", None,
+             "Drop --enable-layernorm-sp", "the Helix attention needs every token on every rank"),
+            ("attn-input-scattered", ["--enable-attn-tp-input-scattered"], "sequence-parallel attention input",
+             None, "Drop --enable-attn-tp-input-scattered", "the Helix attention needs every token on every rank"),
+            ("torch-compile", ["--enable-torch-compile"], "torch.compile yet", None,
+             "Drop --enable-torch-compile", "the KVP All-to-All is not captured yet"),
+            ("deterministic", ["--enable-deterministic-inference"], "deterministic inference yet", None,
+             "Drop --enable-deterministic-inference",
+             "batch invariance of the Helix attention and merge is not verified"),
+            ("offload", ["--cpu-offload-gb", "1"], "weight offloading yet", None, "Set --cpu-offload-gb 0", ""),
+            ("embedding", ["--is-embedding"], "embedding models yet", None, "Drop --is-embedding", ""),
+            ("quantization", ["--quantization", "fp8"], "quantized weights yet", None, "Drop --quantization", ""),
+        ]
+    },
 }
 
 
@@ -392,6 +456,168 @@ def test_resolved_tpa_and_default_backend(model):
     ]
     explicit = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--helix-tpa-size", "1"]))
     assert explicit.helix_tpa_size == 1
+
+
+def test_split_backend_flag_names_the_default(model):
+    """With only --prefill-attention-backend (or --decode-...) given, the backend Helix picks for
+    the other phase is that one, not the platform default: one backend runs both phases."""
+    cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--prefill-attention-backend", "triton"]))
+    assert (cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend) == ("triton", "triton", None)
+
+
+def test_helix_attention_refuses_other_backends(monkeypatch):
+    """At run time only TritonAttnBackend and TorchNativeAttnBackend take a Helix path; anything
+    else (a HybridAttnBackend, a TboAttnBackend, ...) fails loudly instead of silently running the
+    per-request torch loop."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang.srt.layers.helix import attention
+
+    class HybridAttnBackend:  # stands in for any backend object the dispatch does not know
+        token_to_kv_pool = SimpleNamespace(set_kv_buffer=lambda *args, **kwargs: None)
+
+    monkeypatch.setattr(attention, "get_attn_backend", HybridAttnBackend)
+    monkeypatch.setattr(attention.HelixForwardMetadata, "of", classmethod(lambda cls, fb: SimpleNamespace(write_rows=None)))
+    layer = SimpleNamespace(tp_q_head_num=2, tp_k_head_num=1, qk_head_dim=4, v_head_dim=4, k_scale=None, v_scale=None, layer_id=0)
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_decode=lambda: True))
+    q, kv = torch.zeros(3, 8), torch.zeros(3, 4)
+    with pytest.raises(NotImplementedError, match="no Helix path for the attention backend HybridAttnBackend"):
+        attention.helix_attention(layer, q, kv, kv, decode)
+
+
+def test_quantized_checkpoint(model, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "fp8")
+    shutil.copytree(model(), path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == _unsupported(
+        "quantized weights yet", f"--model-path {path} is fp8-quantized", "Serve an unquantized checkpoint"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU engine's MLP padding (patch 0009 pads for TPA; the MLP stays sharded over N)
+# --------------------------------------------------------------------------------------------
+def test_cpu_mlp_not_divisible_after_padding(model):
+    """intermediate_size 128 at TPA 1 stays 128 (a multiple of 32), which --tp 3 does not divide:
+    the server would fail loading the MLP."""
+    path = model(6, 3, 128)
+    assert helix_error(path, ["--tp", "3", "--helix-kvp-size", "3"]) == (
+        f"--helix-kvp-size 3 on --device cpu cannot shard the MLP of --model-path {path} over "
+        "--tp 3: its intermediate_size 128, which the CPU engine pads to a multiple of 32 for the "
+        "attention width TPA = 1 only (128), is not divisible by --tp 3. Use a --helix-kvp-size "
+        "that divides 32, or use --helix-kvp-size 1."
+    )
+
+
+@pytest.mark.parametrize("q,k,inter,tp,kvp", [
+    (8, 4, 130, 4, 2),  # padded for TPA 2 to 192, which --tp 4 divides (served: test_helix_launch_sizes.py)
+    (6, 3, 192, 3, 3),  # divisible as it is
+])  # fmt: skip
+def test_cpu_mlp_divisible_after_padding(model, q, k, inter, tp, kvp):
+    resolve(model(q, k, inter), ["--tp", str(tp), "--helix-kvp-size", str(kvp)])  # no error
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes counted in KV pages (page = --helix-kvp-chunk-size x --helix-kvp-size)
+# --------------------------------------------------------------------------------------------
+PAGE_TABLE = [
+    (kvp, chunk, cpp)
+    for kvp in (2, 3, 4, 6, 8)
+    for chunk in (1, 4, 64, 96)
+    for cpp in (None, 128, 100, 8192, -1)
+]
+
+
+@pytest.fixture(scope="module")
+def upstream_chunked_prefill(model):
+    """The chunked prefill size resolution picks with Helix off, per --tp."""
+    cache = {}
+
+    def get(path, tp):
+        if tp not in cache:
+            cache[tp] = view(resolve(path, ["--tp", str(tp)])).chunked_prefill_size
+        return cache[tp]
+
+    return get
+
+
+@pytest.mark.parametrize("kvp,chunk,cpp", PAGE_TABLE, ids=[f"kvp{k}-chunk{c}-cpp{p}" for k, c, p in PAGE_TABLE])
+def test_page_multiples_resolve(model, upstream_chunked_prefill, kvp, chunk, cpp):
+    """Every (KVP, chunk, chunked prefill) resolves to sizes the pipeline and check_server_args
+    accept (it asserted ``chunked_prefill_size % page_size == 0`` for any page that did not divide
+    the chunk: 128 at KVP 4, the default at KVP 3 or 6 or chunk 96)."""
+    path = model(24, 4, 192)  # Q and intermediate_size divisible by every --tp here; TPA = 1
+    args = ["--tp", str(kvp), "--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(chunk)]
+    if cpp is not None:
+        args += ["--chunked-prefill-size", str(cpp)]
+    server_args = resolve(path, args)
+    server_args.check_server_args()  # where the assertion was
+    cfg = view(server_args)
+    page = kvp * chunk
+    assert cfg.page_size == page
+    given = cpp if cpp is not None else upstream_chunked_prefill(path, kvp)
+    if given == -1:
+        assert cfg.chunked_prefill_size == -1  # disabled stays disabled
+    else:
+        assert cfg.chunked_prefill_size == max(page, given // page * page)
+    assert cfg.max_prefill_tokens == -(-16384 // page) * page
+
+
+def test_page_multiples_are_logged(model):
+    with helix_log() as records:
+        cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--chunked-prefill-size", "100",
+                                     "--max-prefill-tokens", "1000"]))  # fmt: skip
+    assert (cfg.page_size, cfg.chunked_prefill_size, cfg.max_prefill_tokens) == (256, 256, 1024)
+    page = "the Helix KV page (--helix-kvp-chunk-size 64 x --helix-kvp-size 4 = 256 tokens)"
+    infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert f"Helix parallelism: --chunked-prefill-size 100 -> 256, a multiple of {page}: a prefill chunk must hold at least one page." in infos
+    assert f"Helix parallelism: --max-prefill-tokens 1000 -> 1024, a multiple of {page}: the scheduler charges prefill in whole pages, so it admits the same batches." in infos
+    with helix_log() as records:
+        cfg = view(resolve(model(), ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "96"]))
+    assert cfg.chunked_prefill_size % 192 == 0
+    page = "the Helix KV page (--helix-kvp-chunk-size 96 x --helix-kvp-size 2 = 192 tokens)"
+    down = [r.getMessage() for r in records if "--chunked-prefill-size" in r.getMessage()]
+    assert down == [f"Helix parallelism: --chunked-prefill-size 4096 -> 4032, a multiple of {page}: the scheduler cuts prefill chunks at page boundaries."]
+
+
+def test_page_multiples_final_values(model):
+    """A handler after the first Helix run that sets another chunked prefill size is resolved by
+    the second run, over the final values."""
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    def late_change(server_args, previous):
+        previous(server_args)
+        declare_resolution(server_args, "test_late_change", chunked_prefill_size=1000)
+
+    name = "handle_model_capability_adjustments"
+    resolution_hooks.register_resolution_hook(name)(late_change)
+    try:
+        server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2"])
+    finally:
+        resolution_hooks._HOOKS[name].remove(late_change)
+        if not resolution_hooks._HOOKS[name]:
+            del resolution_hooks._HOOKS[name]
+    server_args.check_server_args()
+    assert view(server_args).chunked_prefill_size == 896
+
+
+def test_max_total_tokens_below_one_page(model):
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "200"]) == (
+        "--max-total-tokens 200 is less than one Helix KV page (--helix-kvp-chunk-size "
+        "64 x --helix-kvp-size 4 = 256 tokens): under Helix it bounds each rank's KV rows, which "
+        "are allocated in whole pages. Pass --max-total-tokens 256 or more, or a smaller "
+        "--helix-kvp-chunk-size, or use --helix-kvp-size 1."
+    )
+    resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "256"])
 
 
 def test_accessors_and_published_parallel(model):

@@ -17,11 +17,13 @@ values, so that a later handler that picks an attention backend or a page size
 cannot slip an unsupported value past it. Each run
 
 - rejects invalid or unsupported configurations with one ``HelixConfigError``
-  (a ``ValueError``) naming the flags, their values, and what to do;
+  (a ``ValueError``) naming the flags, their values, and what to do (the
+  features Helix does not run with: ``helix_unsupported``);
 - switches off what Helix cannot run with yet (radix cache, CUDA graphs), with
   one warning, only when it was on;
 - resolves ``helix_tpa_size`` (0 -> N / KVP) and, when no attention backend was
-  given, picks a supported one.
+  given, picks a supported one (one backend for both phases);
+- resolves the KV page and the sizes counted in it (``helix_sizes``).
 
 Runtime code asks ``get_parallel().helix_enabled`` / ``helix_tpa_size`` /
 ``helix_kvp_chunk_size`` after publish, or ``helix_enabled(cfg)`` /
@@ -107,7 +109,10 @@ def handle_helix_parallelism(server_args: Any) -> None:
         # Helix off: nothing is declared, so resolution is upstream's.
         return
 
-    _check_unsupported_features(server_args, cfg)
+    from sglang.srt.arg_groups.helix_sizes import resolve_kv_page, resolve_page_multiples
+    from sglang.srt.arg_groups.helix_unsupported import check_unsupported_features
+
+    check_unsupported_features(server_args, cfg)
     _check_model(server_args, cfg)
     _check_page_size(server_args, cfg)
     _check_attention_backend(server_args, cfg)
@@ -116,18 +121,8 @@ def handle_helix_parallelism(server_args: Any) -> None:
         _declare(server_args, helix_tpa_size=cfg.tp_size // cfg.helix_kvp_size)
     _switch_off_radix_cache(server_args, cfg)
     _switch_off_cuda_graphs(server_args, cfg)
-    _resolve_kv_page(server_args, cfg)
-
-
-def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
-    page = helix_kv_page_size(cfg)
-    if cfg.page_size != page:
-        logger.info(
-            "Helix parallelism: KV ids are allocated in pages of --helix-kvp-chunk-size %d x "
-            "--helix-kvp-size %d = %d tokens (one ownership chunk per KVP rank).",
-            cfg.helix_kvp_chunk_size, cfg.helix_kvp_size, page,
-        )
-        _declare(server_args, page_size=page)
+    resolve_kv_page(server_args, cfg)
+    resolve_page_multiples(server_args, cfg)
 
 
 def _check_flags(server_args: Any, cfg: Any) -> None:
@@ -165,107 +160,6 @@ def _check_flags(server_args: Any, cfg: Any) -> None:
             f"not equal --tp {n}: Helix arranges the --tp ranks as a KVP x TPA "
             f"grid. Set --helix-tpa-size {n // kvp} (= --tp / --helix-kvp-size) "
             "or leave it at 0 to derive it."
-        )
-
-
-def _check_unsupported_features(server_args: Any, cfg: Any) -> None:
-    """Features Helix does not run with (yet): one error naming the flags."""
-    kvp = cfg.helix_kvp_size
-
-    def unsupported(feature: str, given: list, fix: str, why: str = "") -> None:
-        _fail(
-            f"--helix-kvp-size {kvp} does not support {feature} "
-            f"({' '.join(given)}){': ' + why if why else ''}. {fix}, or use "
-            "--helix-kvp-size 1."
-        )
-
-    if cfg.dcp_size > 1:
-        unsupported(
-            "decode context parallelism",
-            [f"--dcp-size {cfg.dcp_size}"],
-            "Set --dcp-size 1",
-            "both shard the KV cache along the sequence",
-        )
-    if cfg.enable_prefill_cp or cfg.attn_cp_size > 1:
-        given, fix = [], []
-        if cfg.enable_prefill_cp:
-            given.append("--enable-prefill-cp")
-            fix.append("drop --enable-prefill-cp")
-        if cfg.attn_cp_size > 1:
-            given.append(f"--attn-cp-size {cfg.attn_cp_size}")
-            fix.append("set --attn-cp-size 1")
-        fix = " and ".join(fix)
-        unsupported("prefill context parallelism", given, fix[0].upper() + fix[1:])
-    if cfg.attn_dp_size > 1:
-        if _raw(server_args, "enable_dp_attention", False):
-            dp = _raw(server_args, "dp_size", cfg.attn_dp_size)
-            given = ["--enable-dp-attention", f"--dp-size {dp}"]
-            fix = "Drop --enable-dp-attention"
-        else:
-            given = [f"--attn-dp-size {cfg.attn_dp_size}"]
-            fix = "Set --attn-dp-size 1"
-        unsupported(
-            "DP attention",
-            given,
-            fix,
-            "Helix shards every request over all KVP ranks",
-        )
-    if cfg.pp_size > 1:
-        unsupported(
-            "pipeline parallelism yet", [f"--pp-size {cfg.pp_size}"], "Set --pp-size 1"
-        )
-    if cfg.speculative_algorithm is not None:
-        unsupported(
-            "speculative decoding yet",
-            [f"--speculative-algorithm {cfg.speculative_algorithm}"],
-            "Drop --speculative-algorithm",
-        )
-    if cfg.disaggregation_mode != "null":
-        unsupported(
-            "prefill/decode disaggregation yet",
-            [f"--disaggregation-mode {cfg.disaggregation_mode}"],
-            "Drop --disaggregation-mode",
-        )
-    if cfg.enable_lora or cfg.lora_paths:
-        given = [
-            flag
-            for flag, on in (
-                ("--enable-lora", cfg.enable_lora),
-                ("--lora-paths", cfg.lora_paths),
-            )
-            if on
-        ]
-        unsupported(
-            "LoRA adapters yet",
-            given,
-            f"Drop {' and '.join(given)}",
-            "adapters are sliced for the TP layout, not the KVP x TPA one",
-        )
-    # Prefix-cache extensions build on the radix cache, which Helix turns off.
-    needs_radix = [
-        (flag, value)
-        for flag, value, on in (
-            ("--enable-hierarchical-cache", None, cfg.enable_hierarchical_cache),
-            ("--enable-lmcache", None, cfg.enable_lmcache),
-            (
-                "--enable-unified-cache-external-linker",
-                None,
-                cfg.enable_unified_cache_external_linker,
-            ),
-            (
-                "--radix-cache-backend",
-                cfg.radix_cache_backend,
-                cfg.radix_cache_backend is not None,
-            ),
-        )
-        if on
-    ]
-    if needs_radix:
-        unsupported(
-            "prefix-cache extensions",
-            [flag if v is None else f"{flag} {v}" for flag, v in needs_radix],
-            f"Drop {' and '.join(flag for flag, _ in needs_radix)}",
-            "they need the radix cache, which Helix turns off",
         )
 
 
@@ -319,6 +213,38 @@ def _check_model(server_args: Any, cfg: Any) -> None:
             f"query heads. Use a --tp that divides {q}, or use "
             "--helix-kvp-size 1."
         )
+    quantization = model_config.quantization
+    if quantization:  # a quantized checkpoint (the flags: helix_unsupported)
+        _unsupported(
+            cfg,
+            "quantized weights yet",
+            [f"--model-path {cfg.model_path} is {quantization}-quantized"],
+            "Serve an unquantized checkpoint",
+        )
+    if cfg.device == "cpu":
+        _check_cpu_mlp_padding(cfg, model_config, kvp, n, tpa)
+
+
+def _check_cpu_mlp_padding(cfg: Any, model_config: Any, kvp: int, n: int, tpa: int) -> None:
+    """The CPU engine pads intermediate_size to a multiple of 32 x the width it pads for
+    (``adjust_config_with_unaligned_cpu_tp``), which under Helix is TPA (patch 0009), while the
+    MLP stays sharded over N: refuse what does not come out divisible by N, before it fails at
+    load. (Unquantized weights: Helix refuses quantized ones, whose block size changes 32.)"""
+    from sglang.srt.configs.update_config import get_moe_padding_size
+
+    inter = getattr(model_config.hf_text_config, "intermediate_size", None)
+    if not inter:
+        return
+    step = tpa * get_moe_padding_size(None)
+    padded = inter if inter % step == 0 else -(-inter // step) * step
+    if padded % n:
+        _fail(
+            f"--helix-kvp-size {kvp} on --device cpu cannot shard the MLP of --model-path "
+            f"{cfg.model_path} over --tp {n}: its intermediate_size {inter}, which the CPU "
+            f"engine pads to a multiple of {step} for the attention width TPA = {tpa} only "
+            f"({padded}), is not divisible by --tp {n}. Use a --helix-kvp-size that divides "
+            "32, or use --helix-kvp-size 1."
+        )
 
 
 def _check_attention_backend(server_args: Any, cfg: Any) -> None:
@@ -347,13 +273,33 @@ def _check_attention_backend(server_args: Any, cfg: Any) -> None:
         )
     if cfg.attention_backend is None:
         # Before the platform default (fa3, flashinfer, intel_amx, ...) is
-        # chosen, choose one Helix supports.
-        backend = "torch_native" if cfg.device == "cpu" else "triton"
+        # chosen, choose one Helix supports: the one a split flag names, if
+        # it names one, else the platform's.
+        split = {cfg.prefill_attention_backend, cfg.decode_attention_backend} - {None}
+        if len(split) == 1:
+            backend = split.pop()
+        else:
+            backend = "torch_native" if cfg.device == "cpu" else "triton"
         logger.info(
             "Helix parallelism: attention backend not specified; using %s.",
             backend,
         )
         _declare(server_args, attention_backend=backend)
+    # One backend object must run both phases: different ones make SGLang
+    # build a HybridAttnBackend around them, which helix_attention refuses.
+    prefill, decode = cfg.prefill_attention_backend, cfg.decode_attention_backend
+    if (prefill or cfg.attention_backend) != (decode or cfg.attention_backend):
+        given = [f"--attention-backend {cfg.attention_backend}"] if not (prefill and decode) else []
+        given += [f"--prefill-attention-backend {prefill}"] if prefill else []
+        given += [f"--decode-attention-backend {decode}"] if decode else []
+        _unsupported(
+            cfg,
+            "different prefill and decode attention backends",
+            given,
+            "Pass one --attention-backend (triton or torch_native)",
+            "SGLang runs them through a HybridAttnBackend, which the Helix "
+            "attention does not dispatch",
+        )
 
 
 def helix_kv_page_size(cfg: Any) -> int:
@@ -453,6 +399,15 @@ def _join(items, last: str = "or") -> str:
     if len(items) <= 1:
         return "".join(items)
     return f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+def _unsupported(cfg: Any, feature: str, given: list, fix: str, why: str = "") -> None:
+    """The standard refusal of a feature Helix does not run with."""
+    _fail(
+        f"--helix-kvp-size {cfg.helix_kvp_size} does not support {feature} "
+        f"({' '.join(given)}){': ' + why if why else ''}. {fix}, or use "
+        "--helix-kvp-size 1."
+    )
 
 
 def _fail(message: str) -> None:

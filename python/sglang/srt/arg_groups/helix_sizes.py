@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The KV page under Helix, and the sizes that must be counted in it.
+
+Helix allocates KV ids in pages of ``P = --helix-kvp-chunk-size x --helix-kvp-size`` tokens
+(``helix_kv_page_size``), a page the user never typed. Sizes that SGLang requires to be
+multiples of the page, or that mean nothing below one page, are resolved here, each change
+logged with the flag, the old and new value and why:
+
+- ``chunked_prefill_size`` (``check_server_args`` asserts ``% page_size == 0``): rounded
+  *down* to a multiple of P -- the scheduler already cuts every chunk at a page boundary
+  (``PrefillAdder``: ``limit // page_size * page_size``), so nothing it does changes -- and
+  *up* to one page where it is smaller, since a chunk under one page truncates to zero tokens
+  and a long prompt would never be scheduled. ``-1`` (disabled) stays disabled.
+- ``max_prefill_tokens`` (no assertion; the per-batch input budget, which the scheduler
+  charges in whole pages and admits against while any of it is left): rounded *up* to a
+  multiple of P, which admits exactly the same batches and states the real budget.
+- ``max_total_tokens`` (under Helix: KV rows per rank, which the pool configurator rounds down
+  to whole pages): below one page it leaves no KV at all, and no value can be chosen for the
+  user, so it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.arg_groups.helix_hook import _declare, _fail, helix_kv_page_size, logger
+
+
+def resolve_kv_page(server_args: Any, cfg: Any) -> None:
+    """Declare ``page_size = P`` (``--page-size`` itself is checked to be unset or 1)."""
+    page = helix_kv_page_size(cfg)
+    if cfg.page_size != page:
+        logger.info(
+            "Helix parallelism: KV ids are allocated in pages of --helix-kvp-chunk-size %d x "
+            "--helix-kvp-size %d = %d tokens (one ownership chunk per KVP rank).",
+            cfg.helix_kvp_chunk_size, cfg.helix_kvp_size, page,
+        )  # fmt: skip
+        _declare(server_args, page_size=page)
+
+
+def resolve_page_multiples(server_args: Any, cfg: Any) -> None:
+    """Make every page-counted size valid for the Helix page. Idempotent."""
+    page = helix_kv_page_size(cfg)
+    what = (
+        f"Helix KV page (--helix-kvp-chunk-size {cfg.helix_kvp_chunk_size} x "
+        f"--helix-kvp-size {cfg.helix_kvp_size} = {page} tokens)"
+    )
+
+    total = cfg.max_total_tokens
+    if total is not None and 0 < total < page:
+        _fail(
+            f"--max-total-tokens {total} is less than one {what}: under Helix it "
+            "bounds each rank's KV rows, which are allocated in whole pages. Pass "
+            f"--max-total-tokens {page} or more, or a smaller --helix-kvp-chunk-size, or use "
+            "--helix-kvp-size 1."
+        )
+
+    chunk = cfg.chunked_prefill_size
+    if chunk is not None and chunk > 0 and chunk % page:
+        if chunk < page:
+            new, why = page, "a prefill chunk must hold at least one page"
+        else:
+            new, why = chunk // page * page, "the scheduler cuts prefill chunks at page boundaries"
+        _change(server_args, "chunked_prefill_size", chunk, new, what, why)
+
+    budget = cfg.max_prefill_tokens
+    if budget is not None and budget > 0 and budget % page:
+        new = -(-budget // page) * page
+        why = "the scheduler charges prefill in whole pages, so it admits the same batches"
+        _change(server_args, "max_prefill_tokens", budget, new, what, why)
+
+
+def _change(server_args: Any, field: str, old: int, new: int, what: str, why: str) -> None:
+    flag = "--" + field.replace("_", "-")
+    logger.info(
+        "Helix parallelism: %s %d -> %d, a multiple of the %s: %s.", flag, old, new, what, why
+    )
+    _declare(server_args, **{field: new})

@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Server features Helix does not run with (yet), refused at argument time.
+
+Each is refused with one ``HelixConfigError``:
+
+    --helix-kvp-size KVP does not support <feature> (<the flags as given>)[: why]. <fix>, or
+    use --helix-kvp-size 1.
+
+The list comes from a pass over every flag group (``srt/arg_groups/fields/*.py``); what was
+decided per group, and why the rest is harmless, is in docs/helix-flags.md. A feature belongs
+here when it changes the attention, the KV cache or the model forward in a way no Helix test
+covers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from sglang.srt.arg_groups.helix_hook import _raw, _unsupported
+
+
+class Flag(NamedTuple):
+    flag: str
+    field: str
+    off: Any = None  # the value that turns the feature off
+    reset: bool = False  # the fix is "set <flag> <off>" rather than "drop <flag>"
+
+
+class Feature(NamedTuple):
+    name: str
+    flags: tuple
+    why: str = ""
+
+
+_RADIX = "they need the radix cache, which Helix turns off"
+_WRAPPED = "it wraps the attention backend, which the Helix attention does not dispatch"
+
+UNSUPPORTED = (
+    Feature(
+        "decode context parallelism",
+        (Flag("--dcp-size", "dcp_size", 1, reset=True),),
+        "both shard the KV cache along the sequence",
+    ),
+    Feature(
+        "prefill context parallelism",
+        (
+            Flag("--enable-prefill-cp", "enable_prefill_cp", False),
+            Flag("--attn-cp-size", "attn_cp_size", 1, reset=True),
+        ),
+    ),
+    Feature("pipeline parallelism yet", (Flag("--pp-size", "pp_size", 1, reset=True),)),
+    Feature(
+        "speculative decoding yet",
+        (
+            Flag("--speculative-algorithm", "speculative_algorithm"),
+            Flag("--decoupled-spec-role", "decoupled_spec_role", "null"),
+        ),
+    ),
+    Feature(
+        "prefill/decode disaggregation yet",
+        (Flag("--disaggregation-mode", "disaggregation_mode", "null"),),
+    ),
+    Feature(
+        "LoRA adapters yet",
+        (Flag("--enable-lora", "enable_lora"), Flag("--lora-paths", "lora_paths")),
+        "adapters are sliced for the TP layout, not the KVP x TPA one",
+    ),
+    Feature(
+        "prefix-cache extensions",
+        (
+            Flag("--enable-hierarchical-cache", "enable_hierarchical_cache"),
+            Flag("--enable-lmcache", "enable_lmcache"),
+            Flag("--enable-unified-cache-external-linker", "enable_unified_cache_external_linker"),
+            Flag("--radix-cache-backend", "radix_cache_backend"),
+            Flag("--enable-flexkv", "enable_flexkv"),
+            Flag("--enable-session-radix-cache", "enable_session_radix_cache"),
+        ),
+        _RADIX,
+    ),
+    Feature(
+        "streaming sessions yet",
+        (Flag("--enable-streaming-session", "enable_streaming_session"),),
+        "a session's next request reuses its KV as a prefix",
+    ),
+    Feature(
+        "the unified memory pool",
+        (
+            Flag("--enable-unified-memory", "enable_unified_memory"),
+            Flag("--enable-page-major-kv-layout", "enable_page_major_kv_layout"),
+        ),
+        "Helix shards the per-layer KV pool by rows",
+    ),
+    Feature(
+        "hierarchical sparse attention", (Flag("--enable-hisparse", "enable_hisparse"),)
+    ),
+    Feature(
+        "the KV cache canary",
+        (Flag("--kv-canary", "kv_canary", "none"),),
+        "it reads the KV pool by allocator id, and Helix ids are not rows",
+    ),
+    Feature(
+        "mixed chunked prefill yet", (Flag("--enable-mixed-chunk", "enable_mixed_chunk"),)
+    ),
+    Feature(
+        "two-batch overlap", (Flag("--enable-two-batch-overlap", "enable_two_batch_overlap"),), _WRAPPED
+    ),
+    Feature("PD multiplexing", (Flag("--enable-pdmux", "enable_pdmux"),), _WRAPPED),
+    Feature(
+        "decode megakernels",
+        (
+            Flag("--enable-nvidia-megakernel", "enable_nvidia_megakernel"),
+            Flag("--enable-amd-monokernel", "enable_amd_monokernel"),
+        ),
+        "they replace the decode forward, Helix attention included",
+    ),
+    Feature(
+        "multi-item scoring",
+        (Flag("--enable-mis", "enable_mis"),),
+        "the Helix attention does not apply its attention mask",
+    ),
+    Feature("diffusion LLM inference", (Flag("--dllm-algorithm", "dllm_algorithm"),)),
+    Feature(
+        "sequence-parallel attention input",
+        (
+            Flag("--enable-layernorm-sp", "enable_layernorm_sp"),
+            Flag("--enable-attn-tp-input-scattered", "enable_attn_tp_input_scattered"),
+        ),
+        "the Helix attention needs every token on every rank",
+    ),
+    Feature(
+        "torch.compile yet",
+        (Flag("--enable-torch-compile", "enable_torch_compile"),),
+        "the KVP All-to-All is not captured yet",
+    ),
+    Feature(
+        "deterministic inference yet",
+        (
+            Flag("--enable-deterministic-inference", "enable_deterministic_inference"),
+            Flag("--rl-on-policy-target", "rl_on_policy_target"),
+        ),
+        "batch invariance of the Helix attention and merge is not verified",
+    ),
+    Feature(
+        "weight offloading yet",
+        (
+            Flag("--cpu-offload-gb", "cpu_offload_gb", 0, reset=True),
+            Flag("--offload-group-size", "offload_group_size", -1, reset=True),
+        ),
+    ),
+    Feature("embedding models yet", (Flag("--is-embedding", "is_embedding"),)),
+    Feature(
+        "quantized weights yet",  # a quantized checkpoint: helix_hook._check_model
+        (Flag("--quantization", "quantization"), Flag("--modelopt-quant", "modelopt_quant")),
+    ),
+)
+
+
+def check_unsupported_features(server_args: Any, cfg: Any) -> None:
+    for feature in UNSUPPORTED:
+        on = [(f, getattr(cfg, f.field)) for f in feature.flags if _on(getattr(cfg, f.field), f.off)]
+        if on:
+            given = [_given(f, value) for f, value in on]
+            _unsupported(cfg, feature.name, given, _fix([f for f, _ in on]), feature.why)
+    _check_dp_attention(server_args, cfg)
+
+
+def _check_dp_attention(server_args: Any, cfg: Any) -> None:
+    if cfg.attn_dp_size <= 1:
+        return
+    if _raw(server_args, "enable_dp_attention", False):
+        dp = _raw(server_args, "dp_size", cfg.attn_dp_size)
+        given, fix = ["--enable-dp-attention", f"--dp-size {dp}"], "Drop --enable-dp-attention"
+    else:
+        given, fix = [f"--attn-dp-size {cfg.attn_dp_size}"], "Set --attn-dp-size 1"
+    _unsupported(cfg, "DP attention", given, fix, "Helix shards every request over all KVP ranks")
+
+
+def _on(value: Any, off: Any) -> bool:
+    return value != off and value is not None and value is not False
+
+
+def _given(flag: Flag, value: Any) -> str:
+    if value is True or not isinstance(value, (str, int, float)):
+        return flag.flag  # a switch, or a list (--lora-paths)
+    return f"{flag.flag} {value}"
+
+
+def _fix(flags: list) -> str:
+    """``Drop --a and --b``, ``Set --c 1``, ``Drop --a and set --c 1``."""
+    if all(not f.reset for f in flags):
+        text = "drop " + " and ".join(f.flag for f in flags)
+    else:
+        text = " and ".join(f"set {f.flag} {f.off}" if f.reset else f"drop {f.flag}" for f in flags)
+    return text[0].upper() + text[1:]
