@@ -46,8 +46,10 @@ class Generation:
         return len(self.tokens)
 
 
-def assert_same_generation(ref: Generation, got: Generation, atol: float = LOGPROB_ATOL, what: str = ""):
-    n = ref.decisive_prefix()
+def assert_same_generation(
+    ref: Generation, got: Generation, atol: float = LOGPROB_ATOL, what: str = "", margin: float = MARGIN
+):
+    n = ref.decisive_prefix(margin)
     assert got.tokens[:n] == ref.tokens[:n], f"{what}: tokens differ within the decisive prefix ({n})\nref={ref.tokens[:n]}\ngot={got.tokens[:n]}"
     for i in range(n):
         d = abs(got.logprobs[i] - ref.logprobs[i])
@@ -124,14 +126,16 @@ def probe(base_url: str, max_tokens: int = 16) -> ProbeResult:
     )
 
 
-def assert_same_probe(ref: ProbeResult, got: ProbeResult, atol: float = LOGPROB_ATOL, what: str = ""):
+def assert_same_probe(
+    ref: ProbeResult, got: ProbeResult, atol: float = LOGPROB_ATOL, what: str = "", margin: float = MARGIN
+):
     for i, (r, g) in enumerate(zip(ref.completions, got.completions)):
-        assert_same_generation(r, g, atol, f"{what} completion[{i}]")
-    assert_same_generation(ref.chat, got.chat, atol, f"{what} chat")
+        assert_same_generation(r, g, atol, f"{what} completion[{i}]", margin)
+    assert_same_generation(ref.chat, got.chat, atol, f"{what} chat", margin)
     # Streaming must deliver the non-streaming text of the same layout (where greedy is decisive).
-    if ref.completions[1].decisive_prefix() == len(ref.completions[1].tokens):
+    if ref.completions[1].decisive_prefix(margin) == len(ref.completions[1].tokens):
         assert got.completion_stream == got.completions[1].text, f"{what}: streamed completion differs"
-    if ref.chat.decisive_prefix() == len(ref.chat.tokens):
+    if ref.chat.decisive_prefix(margin) == len(ref.chat.tokens):
         assert got.chat_stream == got.chat.text, f"{what}: streamed chat differs"
 
 
