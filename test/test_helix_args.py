@@ -354,6 +354,10 @@ UNSUPPORTED = {
             ("offload", ["--cpu-offload-gb", "1"], "weight offloading yet", None, "Set --cpu-offload-gb 0", ""),
             ("embedding", ["--is-embedding"], "embedding models yet", None, "Drop --is-embedding", ""),
             ("quantization", ["--quantization", "fp8"], "quantized weights yet", None, "Drop --quantization", ""),
+            ("kv-nvfp4", ["--kv-cache-dtype", "nvfp4"], "block-scaled KV cache recipes yet", None,
+             "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2", ""),
+            ("kv-mxfp8", ["--kv-cache-dtype", "mxfp8"], "block-scaled KV cache recipes yet", None,
+             "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2", ""),
         ]
     },
 }
@@ -722,3 +726,25 @@ def test_launch_server_fails_fast_without_traceback(model, spec, args, message):
     assert proc.returncode == 2, output  # like argparse's usage errors
     assert message.format(path=path) in proc.stderr.splitlines(), output
     assert "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("chunk,kvp,ok", [(64, 2, True), (64, 4, True), (1, 8, True), (64, 3, False), (96, 2, False), (48, 4, False)])
+def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
+    """Off the CPU the paged allocator's Triton kernels take ``tl.arange(0, page_size)``: a page of
+    chunk x KVP that is not a power of two would crash the first prefill on a GPU. The CPU engine
+    allocates in torch (the table above serves pages of 192 there)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups.helix_hook import HelixConfigError
+    from sglang.srt.arg_groups.helix_sizes import check_page_for_device
+
+    cfg = SimpleNamespace(device="cuda", helix_kvp_chunk_size=chunk, helix_kvp_size=kvp, tp_size=kvp * 2)
+    check_page_for_device(SimpleNamespace(**{**vars(cfg), "device": "cpu"}), chunk * kvp)  # never on CPU
+    if ok:
+        check_page_for_device(cfg, chunk * kvp)
+        return
+    with pytest.raises(HelixConfigError) as info:
+        check_page_for_device(cfg, chunk * kvp)
+    msg = str(info.value)
+    assert msg.startswith(f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {chunk * kvp}: on --device cuda")
+    assert ("power-of-two --helix-kvp-size" in msg) == (kvp == 3), msg

@@ -29,6 +29,7 @@ from sglang.srt.arg_groups.helix_hook import _declare, _fail, helix_kv_page_size
 def resolve_kv_page(server_args: Any, cfg: Any) -> None:
     """Declare ``page_size = P`` (``--page-size`` itself is checked to be unset or 1)."""
     page = helix_kv_page_size(cfg)
+    check_page_for_device(cfg, page)
     if cfg.page_size != page:
         logger.info(
             "Helix parallelism: KV ids are allocated in pages of --helix-kvp-chunk-size %d x "
@@ -36,6 +37,26 @@ def resolve_kv_page(server_args: Any, cfg: Any) -> None:
             cfg.helix_kvp_chunk_size, cfg.helix_kvp_size, page,
         )  # fmt: skip
         _declare(server_args, page_size=page)
+
+
+def check_page_for_device(cfg: Any, page: int) -> None:
+    """Off the CPU the paged allocator runs Triton kernels that lay a page out with
+    ``tl.arange(0, page_size)`` (``alloc_extend_kernel``): the page must be a power of two, or the
+    first prefill fails to compile. The CPU engine's allocator path is plain torch."""
+    if cfg.device == "cpu" or page & (page - 1) == 0:
+        return
+    kvp = cfg.helix_kvp_size
+    hint = (
+        "a power-of-two --helix-kvp-chunk-size"
+        if kvp & (kvp - 1) == 0
+        else f"a power-of-two --helix-kvp-size (a divisor of --tp {cfg.tp_size})"
+    )
+    _fail(
+        f"--helix-kvp-chunk-size {cfg.helix_kvp_chunk_size} x --helix-kvp-size {kvp} = {page}: "
+        f"on --device {cfg.device} the Helix KV page must be a power of two (the paged "
+        f"allocator's Triton kernels lay out one page per program). Use {hint}, or use "
+        "--helix-kvp-size 1."
+    )
 
 
 def resolve_page_multiples(server_args: Any, cfg: Any) -> None:

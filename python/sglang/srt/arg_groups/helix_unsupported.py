@@ -155,12 +155,23 @@ UNSUPPORTED = (
 )
 
 
+# KV dtypes whose pool Helix attention reads (plain or fp8 with per-layer scales, both verified in
+# test_helix_fp8_kv.py). The block-scaled recipes (mxfp8, nvfp4, fp4_mx_block16) store packed data
+# and block scales that the Helix paths do not read.
+HELIX_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+
+
 def check_unsupported_features(server_args: Any, cfg: Any) -> None:
     for feature in UNSUPPORTED:
         on = [(f, getattr(cfg, f.field)) for f in feature.flags if _on(getattr(cfg, f.field), f.off)]
         if on:
             given = [_given(f, value) for f, value in on]
             _unsupported(cfg, feature.name, given, _fix([f for f, _ in on]), feature.why)
+    if cfg.kv_cache_dtype not in HELIX_KV_CACHE_DTYPES:
+        _unsupported(
+            cfg, "block-scaled KV cache recipes yet", [f"--kv-cache-dtype {cfg.kv_cache_dtype}"],
+            "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2",
+        )  # fmt: skip
     _check_dp_attention(server_args, cfg)
 
 
