@@ -35,19 +35,28 @@ from sglang_helix.testing.tiny_llama import TinyLlamaSpec
 # Q = 8, K = 2, head dim 128: hidden 1024.
 HD128 = TinyLlamaSpec(num_heads=8, num_kv_heads=2, head_dim=128, num_layers=2)
 
-# bfloat16 keeps 8 significant bits: every rounding of an activation moves it by up to 2^-9
-# relative. Helix and plain TP round at different places (Helix rounds each KVP rank's partial
-# attention output to bf16 before the exchange, then the merged output; plain TP rounds once), so
-# the attention outputs differ by ~1 bf16 ulp, which the two layers, o_proj and the FFN carry to
-# the logits. The logits here span ~+-10 nats (logit_scale 4), so one ulp of relative error on them
-# is ~10 * 2^-8 = 0.04 nats; a logprob is a difference of such logits. Measured: see the test's
-# printout (max |d logprob| over all compared steps). A wrong attention result (a missing or
-# doubled shard) moves logprobs by whole nats.
-BF16_LOGPROB_ATOL = 0.1
-# Greedy tokens are compared while the reference's top-1 beats its top-2 by more than both layouts'
-# error together (2 x the tolerance): below that, bf16 rounding alone may pick the other token
-# (seen: a step decided by < 0.2 nats flipped), after which the generations legitimately part.
-BF16_MARGIN = 2 * BF16_LOGPROB_ATOL
+# bfloat16: the logits themselves are bf16, and at their magnitude here (|logit| up to ~30) one bf16
+# ulp is 0.125-0.25 nats, so every logprob and top-2 gap comes quantized in steps of ~0.25 (seen:
+# gaps of exactly 0.0, 0.25, 0.5). Helix rounds each KVP rank's partial attention output to bf16
+# before the merge where plain TP rounds once, a 1-ulp difference that can move a logit by an ulp.
+# Bound: 2 ulps, 0.5 nats. Measured (2026-11-23, this model): Helix vs plain --tp 4 max 0.25; plain
+# --tp 2 vs plain --tp 4 max 0.14, and both part from --tp 4 at the same two steps (top-2 gaps of
+# 0.25 and 0.0). So greedy tokens are compared only before the reference's first step whose top-2
+# gap is under 2 ulps (BF16_MARGIN), that step excluded: a tie decided by rounding is no evidence.
+BF16_LOGPROB_ATOL = 0.5
+BF16_MARGIN = 0.5
+
+
+def assert_close_bf16(ref, got, what: str) -> int:
+    """Tokens equal and logprobs (and top-2) within BF16_LOGPROB_ATOL before the reference's first
+    step decided by less than BF16_MARGIN; returns how many steps were compared."""
+    n = next((i for i, t in enumerate(ref.top2) if len(t) > 1 and t[0] - t[1] < BF16_MARGIN), len(ref.tokens))
+    assert got.tokens[:n] == ref.tokens[:n], f"{what}: tokens differ within the first {n} steps\nref={ref.tokens[:n]}\ngot={got.tokens[:n]}"
+    for i in range(n):
+        pairs = [(got.logprobs[i], ref.logprobs[i])] + list(zip(got.top2[i], ref.top2[i]))
+        assert all(abs(a - b) <= BF16_LOGPROB_ATOL for a, b in pairs), f"{what}: step {i}: {pairs}"
+    return n
+
 
 _WORDS = (
     "attention head query key value cache token sequence shard rank merge parallel helix decode "
@@ -96,15 +105,17 @@ def test_real_shapes_match_plain_tp(model_dir, server_log_dir, case):
     got = run_workload(model, [*HELIX, *dtype_args, *extra], backend, server_log_dir, real_shapes_workload)
 
     assert len(ref["long"].tokens) == 24
-    assert_same_probe(ref["probe"], got["probe"], atol, case, margin)
-    assert_same_generation(ref["long"], got["long"], atol, f"{case} ~1.3K-token prompt", margin)
-    # The long prompt must really be decided by the model, not end at its first step.
-    assert ref["long"].decisive_prefix(margin) >= 4, f"reference long generation indecisive: {ref['long'].top2[:8]}"
-    deltas = [_max_logprob_delta(ref["long"], got["long"], margin)]
-    for i, (prompt_index, gen) in enumerate(got["waves"][8]):
-        ref_gen = ref["singles"][prompt_index]
-        assert_same_generation(ref_gen, gen, atol, f"{case} wave request {i}", margin)
-        deltas.append(_max_logprob_delta(ref_gen, gen, margin))
-    for r, g in zip(ref["probe"].completions, got["probe"].completions):
-        deltas.append(_max_logprob_delta(r, g, margin))
+    pairs = [(f"completion[{i}]", r, g) for i, (r, g) in enumerate(zip(ref["probe"].completions, got["probe"].completions))]
+    pairs += [("chat", ref["probe"].chat, got["probe"].chat), ("~1.3K-token prompt", ref["long"], got["long"])]
+    pairs += [(f"wave request {i}", ref["singles"][p], gen) for i, (p, gen) in enumerate(got["waves"][8])]
+    if dtype == "bfloat16":
+        compared = {what: assert_close_bf16(r, g, f"{case} {what}") for what, r, g in pairs}
+        # The long prompt must really be decided by the model, not end at its first step.
+        assert compared["~1.3K-token prompt"] >= 3, compared
+    else:
+        assert_same_probe(ref["probe"], got["probe"], atol, case, margin)
+        for what, r, g in pairs:
+            assert_same_generation(r, g, atol, f"{case} {what}", margin)
+        assert ref["long"].decisive_prefix(margin) >= 8, f"reference long generation indecisive: {ref['long'].top2[:8]}"
+    deltas = [_max_logprob_delta(r, g, margin) for _, r, g in pairs]
     print(f"{case}: max |d logprob| vs plain TP ({dtype}) = {max(deltas):.2e} (tolerance {atol})")
