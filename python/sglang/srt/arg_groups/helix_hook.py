@@ -318,7 +318,7 @@ def _check_page_size(server_args: Any, cfg: Any) -> None:
     page_size = cfg.page_size
     given = _raw(server_args, "page_size", page_size)
     if given in (None, 1) and page_size in (None, 1, helix_kv_page_size(cfg)):
-        return  # unset resolves to 1; the KV page is ours (_resolve_kv_page)
+        return  # unset resolves to 1; the KV page is ours (helix_sizes.resolve_kv_page)
     value = (
         f"--page-size is {page_size}"
         if given == page_size
