@@ -180,14 +180,14 @@ def bench_server(base_url: str, args) -> list[Row]:
 
 def bench_cpu(args) -> list[Row]:
     from sglang_helix.testing.server import CpuServer
-    from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
+    from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
 
     max_context = max(args.context) + args.new_tokens + 16
-    spec = TinyLlamaSpec(
+    spec = TinyModelSpec(
         num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_layers=args.layers,
         max_position_embeddings=max(8192, max_context),
     )  # fmt: skip
-    model = write_tiny_llama(os.path.join(args.work_dir, "model"), spec)
+    model = write_tiny_model(os.path.join(args.work_dir, "model"), spec)
     rows = []
     for kvp in args.kvp:
         flags = ["--tp", str(args.tp), "--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(args.chunk)]

@@ -14,7 +14,7 @@ import time
 import openai
 
 from sglang_helix.testing.server import CpuServer, ServerStartError
-from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
+from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,7 @@ def main() -> int:
     p.add_argument("server_args", nargs="*", help="extra launch_server flags (after --)")
     args = p.parse_args()
 
-    model = write_tiny_llama(args.model_dir, TinyLlamaSpec(num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2))
+    model = write_tiny_model(args.model_dir, TinyModelSpec(num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2))
     server_args = ["--tp", str(args.tp), "--helix-kvp-size", str(args.helix_kvp_size), *args.server_args]
     print(f"model:  {model}")
     print(f"server: python -m sglang.launch_server --device cpu --attention-backend {args.attention_backend} {' '.join(server_args)}")

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
 
 from sglang_helix.testing.server import CpuServer
-from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
+from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
+
+# Tiers. The default run (CI, the README's test command) covers every concern once; the rest of
+# each end-to-end matrix is marked FULL and runs with HELIX_TEST_FULL=1 (README, "Test").
+FULL_RUN = os.environ.get("HELIX_TEST_FULL") == "1"
+FULL = pytest.mark.full
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL_RUN:
+        return
+    skip = pytest.mark.skip(reason="full matrix: HELIX_TEST_FULL=1")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
+
 
 # GQA: 8 query heads, 4 KV heads (K = N at --tp 4).
-GQA = TinyLlamaSpec(num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2)
+GQA = TinyModelSpec(num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2)
 # Fewer KV heads than ranks at --tp 4: the case Helix exists for.
-MQA = TinyLlamaSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
-KV2 = TinyLlamaSpec(num_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)
+MQA = TinyModelSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
+KV2 = TinyModelSpec(num_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)
 
 
 @pytest.fixture(scope="session")
@@ -22,10 +38,12 @@ def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     cache = {}
 
-    def make(spec: TinyLlamaSpec = GQA) -> str:
+    def make(spec: TinyModelSpec = GQA) -> str:
         if spec not in cache:
-            name = f"llama_q{spec.num_heads}_k{spec.num_kv_heads}_d{spec.head_dim}_l{spec.num_layers}_s{spec.seed}"
-            cache[spec] = write_tiny_llama(str(root / name), spec)
+            # Every field in the name (a digest of the rest): two specs never share a directory.
+            digest = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
+            name = f"{spec.arch}_q{spec.num_heads}_k{spec.num_kv_heads}_d{spec.head_dim}_{digest}"
+            cache[spec] = write_tiny_model(str(root / name), spec)
         return cache[spec]
 
     return make

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from conftest import GQA, start_server, stop_server
 from sglang_helix.testing.cpu_env import STUB_DIR
-from sglang_helix.testing.tiny_llama import TinyLlamaSpec
+from sglang_helix.testing.tiny_models import TinyModelSpec
 
 PIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helix_pinned_memory")
 PINNED_AVAILABLE_BYTES = 2 << 30  # what every process of the server sees as free memory
@@ -36,8 +36,8 @@ BUDGET_BYTES_PER_RANK = PINNED_AVAILABLE_BYTES * MEM_FRACTION_STATIC
 
 N = 4
 K4 = GQA  # 8 query heads, 4 KV heads, head_dim 16, 2 layers
-K2 = TinyLlamaSpec(num_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)
-K1 = TinyLlamaSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
+K2 = TinyModelSpec(num_heads=8, num_kv_heads=2, head_dim=16, num_layers=2)
+K1 = TinyModelSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
 
 # (spec, --tp, --helix-kvp-size): 1 means plain TP (no Helix flag at all).
 HELIX_K4 = (K4, N, 2)
@@ -95,7 +95,7 @@ class Capacity:
 
 @dataclass
 class Run:
-    spec: TinyLlamaSpec
+    spec: TinyModelSpec
     tp: int
     kvp: int
     model_path: str

@@ -8,11 +8,13 @@ completion and a streamed chat completion.
 
 import pytest
 
-from conftest import GQA, plain_tp_reference, run_workload
+from conftest import FULL, GQA, plain_tp_reference, run_workload
 from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_generation, assert_same_probe
 
 REFERENCE = (1, "torch_native")
 LAYOUTS = [REFERENCE, (2, "torch_native"), (4, "torch_native"), (1, "triton"), (2, "triton"), (4, "triton")]
+# The default run: --tp 4 (the reference of the Helix tests); the rest with HELIX_TEST_FULL=1.
+PARAMS = [pytest.param(t, b, id=f"tp{t}-{b}", marks=() if (t, b) in (REFERENCE, (4, "torch_native")) else FULL) for t, b in LAYOUTS]
 
 
 def run_layout(model_path, tp, backend, log_dir):
@@ -21,7 +23,7 @@ def run_layout(model_path, tp, backend, log_dir):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("tp,backend", LAYOUTS, ids=[f"tp{t}-{b}" for t, b in LAYOUTS])
+@pytest.mark.parametrize("tp,backend", PARAMS)
 def test_layout_matches_tp1(model_dir, server_log_dir, tp, backend):
     ref = run_layout(model_dir(GQA), *REFERENCE, server_log_dir)
     got = run_layout(model_dir(GQA), tp, backend, server_log_dir)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import FULL
 from helix_runs import (
     BUDGET_BYTES_PER_RANK,
     HELIX_K1,
@@ -68,7 +69,8 @@ def check_pool(run) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", HELIX, ids=[layout_id(x) for x in HELIX])
+# The default run: K = 1 (the max(1, N/K)x case); K = 2 and K = 4 with HELIX_TEST_FULL=1.
+@pytest.mark.parametrize("layout", [pytest.param(x, id=layout_id(x), marks=() if x == HELIX_K1 else FULL) for x in HELIX])
 def test_helix_global_capacity_vs_plain_tp(model_dir, server_log_dir, layout):
     plain = server_run(model_dir, server_log_dir, PLAIN_K4)
     helix = server_run(model_dir, server_log_dir, layout)

@@ -12,7 +12,7 @@ Models: K = N (GQA, 4 KV heads at --tp 4), and K < N (MQA K=1, K=2 at --tp 4).
 
 import pytest
 
-from conftest import GQA, KV2, MQA, plain_tp_reference, run_workload
+from conftest import FULL, GQA, KV2, MQA, plain_tp_reference, run_workload
 from sglang_helix.testing.openai_probe import (
     LOGPROB_ATOL,
     assert_same_generation,
@@ -37,27 +37,29 @@ ALL_WAVES = (1, 2, 7, 16, 32, 64)
 # Every concurrency size runs on one layout; the others sample it. CPU time is the limit: on this
 # harness the interpreted merge kernels cost ~2 ms per (token, head) program, and the Triton
 # attention kernels are interpreted too.
+# The default run: one layout per backend against the --tp 4 reference the other tests share; the
+# others (HELIX_TEST_FULL=1) add --tp 2, K < N (MQA, K=2) and the smaller wave sets.
 CASES = [
-    # (model, tp, kvp, backend, concurrency waves)
-    (GQA, 2, 2, "torch_native", ALL_WAVES),
-    (GQA, 4, 4, "torch_native", (1, 7, 16)),
-    (MQA, 4, 4, "torch_native", (7,)),
-    (KV2, 4, 2, "torch_native", (7,)),
-    (GQA, 2, 2, "triton", (7,)),
-    (GQA, 4, 2, "triton", (7,)),
-    (MQA, 4, 4, "triton", (7,)),
+    # (model, tp, kvp, backend, concurrency waves, default run)
+    (GQA, 4, 4, "torch_native", ALL_WAVES, True),
+    (GQA, 4, 2, "triton", (7,), True),
+    (GQA, 2, 2, "torch_native", (1, 7, 16), False),
+    (MQA, 4, 4, "torch_native", (7,), False),
+    (KV2, 4, 2, "torch_native", (7,), False),
+    (GQA, 2, 2, "triton", (7,), False),
+    (MQA, 4, 4, "triton", (7,), False),
 ]
 
 
 def _id(case):
-    spec, tp, kvp, backend, _ = case
+    spec, tp, kvp, backend, _, _ = case
     return f"q{spec.num_heads}k{spec.num_kv_heads}-tp{tp}-kvp{kvp}-{backend}"
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=_id(c), marks=() if c[-1] else FULL) for c in CASES])
 def test_helix_matches_plain_tp(model_dir, server_log_dir, case):
-    spec, tp, kvp, backend, waves = case
+    spec, tp, kvp, backend, waves, _ = case
     model = model_dir(spec)
     workload = helix_workload(waves)
     ref = run_workload(model, ["--tp", str(tp)], "torch_native", server_log_dir, plain_tp_reference)

@@ -32,15 +32,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import GQA, stop_server
+from conftest import FULL, GQA, stop_server
 from sglang_helix.testing.server import CpuServer
-from sglang_helix.testing.tiny_llama import TinyLlamaSpec
+from sglang_helix.testing.tiny_models import TinyModelSpec
 
 ATOL = 1e-4  # fp32
 
 # MQA: K = 1, so TPA = 1 and all --tp 4 ranks are KVP ranks of one slice. (The CPU engine pads the
 # KV heads to 4 zero-weight-padded heads at --tp 4: see _real_heads.)
-MQA = TinyLlamaSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
+MQA = TinyModelSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
 
 # (prompt length, max_tokens): distinct final stored lengths (prompt + max_tokens - 1), crossing
 # chunk and page boundaries (page = chunk x KVP = 8 in both layouts).
@@ -53,10 +53,11 @@ LAYOUTS = {
 }
 # Both backends write and read the pool their own way (torch_native: gather by row; triton: the
 # decode/extend kernels over the local KV list, the path the GPU uses).
+# The default run: triton (the GPU's path); the other two with HELIX_TEST_FULL=1.
 PARAMS = [
-    pytest.param("tp4-kvp2-c4-gqa", "torch_native", id="tp4-kvp2-c4-gqa-torch_native"),
+    pytest.param("tp4-kvp2-c4-gqa", "torch_native", id="tp4-kvp2-c4-gqa-torch_native", marks=FULL),
     pytest.param("tp4-kvp2-c4-gqa", "triton", id="tp4-kvp2-c4-gqa-triton"),
-    pytest.param("tp4-kvp4-c2-mqa", "torch_native", id="tp4-kvp4-c2-mqa-torch_native"),
+    pytest.param("tp4-kvp4-c2-mqa", "torch_native", id="tp4-kvp4-c2-mqa-torch_native", marks=FULL),
 ]
 
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import GQA, stop_server
+from conftest import FULL, GQA, stop_server
 from sglang_helix.testing.server import CpuServer
 
 KVP = 2
@@ -236,7 +236,8 @@ FAULTS = {
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("fault", list(FAULTS))
+# The default run: the double free; the two leak detectors with HELIX_TEST_FULL=1.
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=() if f == "double-free" else FULL) for f in FAULTS])
 def test_leak_checks_catch_an_injected_fault(model_dir, server_log_dir, monkeypatch, fault):
     mode, env, message = FAULTS[fault]
     inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_injection")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_workload
+from conftest import FULL, run_workload
 from sglang_helix.testing.openai_probe import (
     LOGPROB_ATOL,
     MARGIN,
@@ -30,10 +30,10 @@ from sglang_helix.testing.openai_probe import (
     concurrent_waves,
     probe,
 )
-from sglang_helix.testing.tiny_llama import TinyLlamaSpec
+from sglang_helix.testing.tiny_models import TinyModelSpec
 
 # Q = 8, K = 2, head dim 128: hidden 1024.
-HD128 = TinyLlamaSpec(num_heads=8, num_kv_heads=2, head_dim=128, num_layers=2)
+HD128 = TinyModelSpec(num_heads=8, num_kv_heads=2, head_dim=128, num_layers=2)
 
 # bfloat16: the logits themselves are bf16, and at their magnitude here (|logit| up to ~30) one bf16
 # ulp is 0.125-0.25 nats, so every logprob and top-2 gap comes quantized in steps of ~0.25 (seen:
@@ -96,7 +96,9 @@ def _max_logprob_delta(ref, got, margin) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", list(CASES))
+# The default run: float32, torch_native, the default chunk sizes; triton and bfloat16 with
+# HELIX_TEST_FULL=1.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if "default-chunks" in c else FULL) for c in CASES])
 def test_real_shapes_match_plain_tp(model_dir, server_log_dir, case):
     dtype, backend, extra, atol, margin = CASES[case]
     model = model_dir(HD128)

@@ -30,6 +30,7 @@ import os
 import pytest
 import torch
 
+from conftest import FULL
 from helix_runs import HELIX_K1, HELIX_K2, HELIX_K4, PLAIN_K4, layout_id, server_run
 
 LAYOUTS = [HELIX_K4, HELIX_K2, HELIX_K1, PLAIN_K4]
@@ -121,7 +122,10 @@ def test_reference_shards_tile_the_checkpoint(model_dir):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_id(x) for x in LAYOUTS])
+# The default run: the two servers test_helix_capacity.py starts anyway (K = 1 Helix, plain TP).
+@pytest.mark.parametrize(
+    "layout", [pytest.param(x, id=layout_id(x), marks=() if x in (HELIX_K1, PLAIN_K4) else FULL) for x in LAYOUTS]
+)
 def test_rank_weight_shards_match_checkpoint(model_dir, server_log_dir, layout):
     run = server_run(model_dir, server_log_dir, layout)
     spec, tp, kvp = layout

@@ -1,10 +1,12 @@
-"""Tiny deterministic Llama checkpoints for the CPU harness.
+"""Tiny deterministic checkpoints for the CPU harness: Llama, Mistral, Qwen2, Qwen3 and their MoE kin.
 
-``write_tiny_llama(path, ...)`` writes a complete HF-style model directory that
+``write_tiny_model(path, spec)`` writes a complete HF-style model directory that
 ``python -m sglang.launch_server --model-path path`` loads with no network access:
 
-- ``config.json`` + ``model.safetensors``: a ``LlamaForCausalLM`` with random weights from a fixed
-  seed, float32;
+- ``config.json`` + ``model.safetensors``: the architecture ``spec.arch`` names (``ARCHS``), written
+  by transformers' own model class with random weights from a fixed seed, float32, and the config
+  fields the real checkpoints of that family carry (rope scaling, tied embeddings, qkv bias, q/k
+  norms, experts);
 - ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE tokenizer trained offline with
   ``tokenizers`` on a built-in corpus, with a chat template.
 
@@ -41,8 +43,35 @@ _WORDS = (
 ).split()
 
 
+# arch -> (transformers config class, model class, the config fields real checkpoints of the family
+# carry). Rope scaling is the published long-context recipe of the family, shrunk to the tiny
+# max_position_embeddings; tied embeddings as the family's small checkpoints have them.
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": (  # Mistral-7B-v0.3: rope 1e6, no sliding window, untied
+        "MistralConfig", "MistralForCausalLM", {"rope_theta": 1e6, "sliding_window": None},
+    ),
+    "qwen2": (  # Qwen2.5: qkv bias (always, no flag), tied at <= 3B, YaRN for > 32K
+        "Qwen2Config", "Qwen2ForCausalLM",
+        {"rope_theta": 1e6, "tie_word_embeddings": True, "use_sliding_window": False,
+         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}},
+    ),
+    "qwen3": (  # Qwen3: per-head q/k RMSNorm, no bias, tied at <= 4B
+        "Qwen3Config", "Qwen3ForCausalLM",
+        {"rope_theta": 1e6, "tie_word_embeddings": True, "attention_bias": False},
+    ),
+    "qwen3_moe": (  # Qwen3-30B-A3B / 235B-A22B: Qwen3 attention, routed experts in every layer
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        {"rope_theta": 1e6, "attention_bias": False, "norm_topk_prob": True, "decoder_sparse_step": 1,
+         "mlp_only_layers": []},
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"rope_theta": 1e6, "sliding_window": None}),
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
-class TinyLlamaSpec:
+class TinyModelSpec:
+    arch: str = "llama"  # a key of ARCHS
     num_heads: int = 8  # Q: query heads
     num_kv_heads: int = 4  # K: KV heads
     head_dim: int = 16
@@ -53,6 +82,8 @@ class TinyLlamaSpec:
     logit_scale: float = 4.0  # std of lm_head rows, in units of 1/sqrt(hidden)
     attn_scale: float = 2.0  # extra std of q/k projections
     seed: int = 0
+    num_experts: int = 4  # MoE archs only: routed experts per layer, top-k of them per token
+    experts_per_token: int = 2
 
     @property
     def hidden_size(self) -> int:
@@ -95,24 +126,11 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
         json.dump(config, f, indent=2)
 
 
-def write_tiny_llama(path: str, spec: TinyLlamaSpec = TinyLlamaSpec()) -> str:
-    """Write the model directory (idempotent for the same spec) and return ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(spec: TinyModelSpec):
+    import transformers
 
-    stamp = os.path.join(path, "tiny_llama_spec.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if json.load(f) == asdict(spec):
-                return path
-    os.makedirs(path, exist_ok=True)
-    write_tokenizer(path, spec.vocab_size)
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab_size()
-    assert vocab <= spec.vocab_size, (vocab, spec.vocab_size)
-
-    config = LlamaConfig(
+    config_cls, _, family = ARCHS[spec.arch]
+    fields = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -129,20 +147,50 @@ def write_tiny_llama(path: str, spec: TinyLlamaSpec = TinyLlamaSpec()) -> str:
         pad_token_id=0,
         torch_dtype="float32",
     )
+    fields.update(family)
+    if spec.arch == "qwen3_moe":
+        fields.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                      moe_intermediate_size=spec.intermediate_size)  # fmt: skip
+    elif spec.arch == "mixtral":
+        fields.update(num_local_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token)
+    return getattr(transformers, config_cls)(**fields)
+
+
+def write_tiny_model(path: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
+    """Write the model directory (idempotent for the same spec) and return ``path``."""
+    import torch
+    import transformers
+
+    stamp = os.path.join(path, "tiny_model_spec.json")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == asdict(spec):
+                return path
+    os.makedirs(path, exist_ok=True)
+    write_tokenizer(path, spec.vocab_size)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab_size()
+    assert vocab <= spec.vocab_size, (vocab, spec.vocab_size)
+
+    config = _config(spec)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, ARCHS[spec.arch][1])(config).to(torch.float32)
     hidden = spec.hidden_size
+    lm_head_std = spec.logit_scale * 4.0 / hidden**0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # layer norms and Qwen3's per-head q/k norms
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
+            elif name.endswith(".bias"):  # Qwen2's qkv bias
+                p.normal_(0.0, 0.1)
+            elif "embed_tokens" in name:  # tied: also the lm_head, at its scale (decisive margins)
+                p.normal_(0.0, lm_head_std if config.tie_word_embeddings else 1.0)
             elif "lm_head" in name:
-                p.normal_(0.0, spec.logit_scale * 4.0 / hidden**0.5)
+                p.normal_(0.0, lm_head_std)
             elif "q_proj" in name or "k_proj" in name:
                 p.normal_(0.0, spec.attn_scale / hidden**0.5)
-            else:
+            else:  # o_proj, MLP, routers, experts ([E, out, in] fused by transformers)
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     model.save_pretrained(path, safe_serialization=True)
     gen = os.path.join(path, "generation_config.json")
@@ -156,13 +204,13 @@ def write_tiny_llama(path: str, spec: TinyLlamaSpec = TinyLlamaSpec()) -> str:
 def main() -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="Write a tiny random-weight Llama for the CPU harness.")
+    p = argparse.ArgumentParser(description="Write a tiny random-weight checkpoint for the CPU harness.")
     p.add_argument("path")
-    for field, default in asdict(TinyLlamaSpec()).items():
+    for field, default in asdict(TinyModelSpec()).items():
         p.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
     args = vars(p.parse_args())
     path = args.pop("path")
-    print(write_tiny_llama(path, TinyLlamaSpec(**args)))
+    print(write_tiny_model(path, TinyModelSpec(**args)))
 
 
 if __name__ == "__main__":
