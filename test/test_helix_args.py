@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import pytest
 
 from sglang_helix.testing.cpu_env import STUB_DIR, cpu_server_env
-from sglang_helix.testing.tiny_llama import TinyLlamaSpec, write_tiny_llama
+from sglang_helix.testing.tiny_models import ARCHS, TinyModelSpec, write_tiny_model
 
 HELIX_FIELDS = ("helix_kvp_size", "helix_tpa_size", "helix_kvp_chunk_size")
 HOOK_SOURCE = "handle_helix_parallelism"
@@ -50,9 +50,9 @@ def model(tmp_path_factory):
 
     def make(q: int = 8, k: int = 4, inter: int = 128) -> str:
         if (q, k, inter) not in cache:
-            cache[(q, k, inter)] = write_tiny_llama(
+            cache[(q, k, inter)] = write_tiny_model(
                 str(root / f"q{q}k{k}i{inter}"),
-                TinyLlamaSpec(num_heads=q, num_kv_heads=k, intermediate_size=inter),
+                TinyModelSpec(num_heads=q, num_kv_heads=k, intermediate_size=inter),
             )
         return cache[(q, k, inter)]
 
@@ -193,17 +193,30 @@ def test_query_heads_not_divisible_by_tp(model):
 def test_unsupported_architecture(model, tmp_path):
     import shutil
 
-    path = str(tmp_path / "mistral")
+    path = str(tmp_path / "gemma")
     shutil.copytree(model(), path)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config["architectures"] = ["MistralForCausalLM"]
+    config["architectures"] = ["GemmaForCausalLM"]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
-        f"--helix-kvp-size 2 supports only LlamaForCausalLM models, but --model-path {path} is "
-        "MistralForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
+        "--helix-kvp-size 2 supports only LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM models, but --model-path "
+        f"{path} is GemmaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
     )
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_supported_architectures(tmp_path, arch):
+    """Every family whose attention opts in is accepted, from its real config fields (rope
+    scaling, tied embeddings, experts), with K < N: Helix is on and shards the KV."""
+    path = write_tiny_model(str(tmp_path / arch), TinyModelSpec(arch=arch, num_heads=8, num_kv_heads=2))
+    with open(os.path.join(path, "config.json")) as f:
+        assert f"{ARCHS[arch][1]}" in json.load(f)["architectures"]
+    server_args = resolve(path, ["--tp", "4", "--helix-kvp-size", "2"])
+    cfg = view(server_args)
+    assert (cfg.helix_kvp_size, cfg.helix_tpa_size, cfg.page_size) == (2, 2, 128)
 
 
 def test_unsupported_model_impl(model):
@@ -353,6 +366,8 @@ UNSUPPORTED = {
              "batch invariance of the Helix attention and merge is not verified"),
             ("offload", ["--cpu-offload-gb", "1"], "weight offloading yet", None, "Set --cpu-offload-gb 0", ""),
             ("embedding", ["--is-embedding"], "embedding models yet", None, "Drop --is-embedding", ""),
+            ("ep-size", ["--ep-size", "2"], "expert parallelism yet", None, "Set --ep-size 1",
+             "Helix MoE models are verified with the experts sharded as plain TP shards them"),
             ("quantization", ["--quantization", "fp8"], "quantized weights yet", None, "Drop --quantization", ""),
             ("kv-nvfp4", ["--kv-cache-dtype", "nvfp4"], "block-scaled KV cache recipes yet", None,
              "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2", ""),

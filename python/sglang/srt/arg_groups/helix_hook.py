@@ -41,7 +41,16 @@ logger = logging.getLogger(__name__)
 # What the Helix attention path is implemented for. Other backends size heads
 # by the attention-TP width and have no partial-output + LSE path.
 HELIX_ATTENTION_BACKENDS = ("triton", "torch_native")
-HELIX_ARCHITECTURES = ("LlamaForCausalLM",)
+# The architectures whose attention module opts into Helix (helix_attention_tp +
+# helix_attention, one patch per model family; docs/helix-design.md, "Adding a model").
+HELIX_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",  # a LlamaForCausalLM subclass
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
 # The field default (arg_groups/fields/parallel.py, whose help says why 64).
 DEFAULT_HELIX_KVP_CHUNK_SIZE = 64
 
@@ -225,6 +234,15 @@ def _check_model(server_args: Any, cfg: Any) -> None:
         _check_cpu_mlp_padding(cfg, model_config, kvp, n, tpa)
 
 
+# The MLP widths adjust_config_with_unaligned_cpu_tp pads (dense and expert MLPs).
+_CPU_PADDED_MLP_FIELDS = (
+    "intermediate_size",
+    "moe_intermediate_size",
+    "intermediate_size_mlp",
+    "shared_expert_intermediate_size",
+)
+
+
 def _check_cpu_mlp_padding(cfg: Any, model_config: Any, kvp: int, n: int, tpa: int) -> None:
     """The CPU engine pads intermediate_size to a multiple of 32 x the width it pads for
     (``adjust_config_with_unaligned_cpu_tp``), which under Helix is TPA (patch 0009), while the
@@ -232,19 +250,20 @@ def _check_cpu_mlp_padding(cfg: Any, model_config: Any, kvp: int, n: int, tpa: i
     load. (Unquantized weights: Helix refuses quantized ones, whose block size changes 32.)"""
     from sglang.srt.configs.update_config import get_moe_padding_size
 
-    inter = getattr(model_config.hf_text_config, "intermediate_size", None)
-    if not inter:
-        return
     step = tpa * get_moe_padding_size(None)
-    padded = inter if inter % step == 0 else -(-inter // step) * step
-    if padded % n:
-        _fail(
-            f"--helix-kvp-size {kvp} on --device cpu cannot shard the MLP of --model-path "
-            f"{cfg.model_path} over --tp {n}: its intermediate_size {inter}, which the CPU "
-            f"engine pads to a multiple of {step} for the attention width TPA = {tpa} only "
-            f"({padded}), is not divisible by --tp {n}. Use a --helix-kvp-size that divides "
-            "32, or use --helix-kvp-size 1."
-        )
+    for field in _CPU_PADDED_MLP_FIELDS:
+        inter = getattr(model_config.hf_text_config, field, None)
+        if not inter:
+            continue
+        padded = inter if inter % step == 0 else -(-inter // step) * step
+        if padded % n:
+            _fail(
+                f"--helix-kvp-size {kvp} on --device cpu cannot shard the MLP of --model-path "
+                f"{cfg.model_path} over --tp {n}: its {field} {inter}, which the CPU "
+                f"engine pads to a multiple of {step} for the attention width TPA = {tpa} only "
+                f"({padded}), is not divisible by --tp {n}. Use a --helix-kvp-size that divides "
+                "32, or use --helix-kvp-size 1."
+            )
 
 
 def _check_attention_backend(server_args: Any, cfg: Any) -> None:

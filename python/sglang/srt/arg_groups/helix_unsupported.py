@@ -149,6 +149,17 @@ UNSUPPORTED = (
     ),
     Feature("embedding models yet", (Flag("--is-embedding", "is_embedding"),)),
     Feature(
+        "expert parallelism yet",
+        (
+            Flag("--ep-size", "ep_size", 1, reset=True),
+            Flag("--moe-a2a-backend", "moe_a2a_backend", "none", reset=True),
+            Flag("--enable-eplb", "enable_eplb"),
+            Flag("--elastic-ep-backend", "elastic_ep_backend"),
+            Flag("--moe-dense-tp-size", "moe_dense_tp_size"),
+        ),
+        "Helix MoE models are verified with the experts sharded as plain TP shards them",
+    ),
+    Feature(
         "quantized weights yet",  # a quantized checkpoint: helix_hook._check_model
         (Flag("--quantization", "quantization"), Flag("--modelopt-quant", "modelopt_quant")),
     ),

@@ -95,17 +95,25 @@ def get_helix_tpa_group():
     return get_parallel().helix_tpa_group
 
 
-def helix_attention_tp():
-    """``(attn_tp_size, qkv_parallel_group)`` for an attention layer's head sharding.
+def helix_attention_tp(tp_size: int, parallel_group=None):
+    """``(attn_tp_size, qkv_parallel_group, helix)``: how an attention layer shards its heads.
 
-    Helix on: ``(TPA, ReplicatedParallelGroup("tp", KVP))``: ``qkv_proj`` is sharded over TPA and
-    replicated over the KVP ranks of a TPA slice (rank ``tp_rank // KVP``). Helix off:
-    ``(tp_size, None)``, i.e. exactly what the layer did before.
+    This is how a model opts into Helix. In its attention module's ``__init__``::
+
+        tp_size, qkv_parallel_group, self.helix = helix_attention_tp(tp_size, parallel_group)
+        ...  # heads over tp_size as before; QKVParallelLinear(..., parallel_group=qkv_parallel_group)
+
+    and in ``forward``, ``helix_attention(self.attn, q, k, v, forward_batch)`` in place of
+    ``self.attn(...)`` when ``self.helix`` (see docs/helix-design.md, "Adding a model").
+
+    Helix off: ``(tp_size, parallel_group, False)``, the layer's own values: it is built exactly as
+    before. Helix on: ``(TPA, ReplicatedParallelGroup("tp", KVP), True)``: ``qkv_proj`` is sharded
+    over TPA and replicated over the KVP ranks of a TPA slice (rank ``tp_rank // KVP``).
     """
     from sglang.srt.layers.linear import ReplicatedParallelGroup
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
     if not parallel.helix_enabled:
-        return parallel.tp_size, None
-    return parallel.helix_tpa_size, ReplicatedParallelGroup("tp", parallel.helix_kvp_size)
+        return tp_size, parallel_group, False
+    return parallel.helix_tpa_size, ReplicatedParallelGroup("tp", parallel.helix_kvp_size), True
