@@ -192,7 +192,7 @@ def bench_cpu(args) -> list[Row]:
     for kvp in args.kvp:
         flags = ["--tp", str(args.tp), "--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(args.chunk)]
         flags += ["--context-length", str(max_context), "--max-total-tokens", str(args.max_total_tokens)]
-        flags += ["--disable-radix-cache"]  # same cache policy for both layouts (Helix turns it off)
+        flags += ["--disable-radix-cache"]  # decode timing: no prefix reuse in either layout
         with CpuServer(model, flags, attention_backend=args.attention_backend, log_dir=args.work_dir) as srv:
             rows += bench_server(srv.base_url, args)
     return rows

@@ -291,7 +291,7 @@ UNSUPPORTED = {
         ["--enable-hierarchical-cache"],
         _unsupported("prefix-cache extensions", "--enable-hierarchical-cache",
                      "Drop --enable-hierarchical-cache",
-                     "they need the radix cache, which Helix turns off"),
+                     "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
     ),
     "page-size": (
         ["--page-size", "16"],
@@ -331,9 +331,9 @@ UNSUPPORTED = {
             ("decoupled-spec", ["--decoupled-spec-role", "verifier"], "speculative decoding yet",
              None, "Drop --decoupled-spec-role", ""),
             ("flexkv", ["--enable-flexkv"], "prefix-cache extensions", None, "Drop --enable-flexkv",
-             "they need the radix cache, which Helix turns off"),
+             "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
             ("session-radix", ["--enable-session-radix-cache"], "prefix-cache extensions", None,
-             "Drop --enable-session-radix-cache", "they need the radix cache, which Helix turns off"),
+             "Drop --enable-session-radix-cache", "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
             ("streaming-session", ["--enable-streaming-session"], "streaming sessions yet", None,
              "Drop --enable-streaming-session", "a session's next request reuses its KV as a prefix"),
             ("unified-memory", ["--enable-unified-memory"], "the unified memory pool", None,
@@ -425,7 +425,7 @@ def test_final_values_are_checked(model, field, value, message):
 # --------------------------------------------------------------------------------------------
 # What Helix switches off, and what it resolves
 # --------------------------------------------------------------------------------------------
-def test_helix_switches_off_radix_cache_and_cuda_graphs(model):
+def test_helix_keeps_the_radix_cache_and_switches_off_cuda_graphs(model):
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     # Upstream defaults: radix cache on, CUDA graphs on (decode; prefill too on some platforms).
@@ -440,14 +440,12 @@ def test_helix_switches_off_radix_cache_and_cuda_graphs(model):
 
     with helix_log() as records:
         cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton"]))
-    assert cfg.disable_radix_cache is True
+    assert cfg.disable_radix_cache is False  # prefix reuse in whole KV pages (test_helix_prefix_cache.py)
     assert cfg.disable_cuda_graph is True
     assert cfg.cuda_graph_config.decode.backend == Backend.DISABLED
     assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert warnings == [
-        "Helix parallelism (--helix-kvp-size 2): disabling the radix cache; prefix reuse over a "
-        "sequence-sharded KV cache is not supported yet.",
         f"Helix parallelism (--helix-kvp-size 2): disabling CUDA graphs ({', '.join(graphs_on)}); "
         "the KVP All-to-All is not captured yet.",
     ]
@@ -459,7 +457,7 @@ def test_no_warning_when_already_off(model):
             "--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton",
             "--disable-radix-cache", "--cuda-graph-backend-decode", "disabled",
         ]))  # fmt: skip
-    assert cfg.disable_radix_cache is True
+    assert cfg.disable_radix_cache is True  # --disable-radix-cache still works
     assert [r for r in records if r.levelno >= logging.WARNING] == []
 
 

@@ -11,8 +11,8 @@ small for its workload and with upstream's debug checks on:
 - ``SGLANG_CHECK_KV_PAGE_INVARIANTS=1``: after every batch, no page is both owned by a request and
   free (use after free), and the free pool has no duplicate page (double free);
 - ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1`` (upstream's default): whenever a rank's
-  scheduler is idle it checks ``available == total`` (nothing is cached: Helix turns the radix
-  cache off) and the request-slot pool, and raises on a leak.
+  scheduler is idle it checks ``available == total`` (nothing is cached: the scenario runs with
+  ``--disable-radix-cache``) and the request-slot pool, and raises on a leak.
 
 Every scheduler rank runs these checks on its own allocator (the allocators are rank-invariant by
 design, but each is checked). A failed check raises in the scheduler, which takes the server down.
@@ -77,6 +77,9 @@ class Scenario:
         return [
             "--tp", str(self.tp), "--helix-kvp-size", str(KVP), "--helix-kvp-chunk-size", "4",
             "--max-total-tokens", str(self.rows_per_rank), "--schedule-conservativeness", "0.1",
+            # The pool must come back to its initial free count when idle: nothing kept for reuse
+            # (the radix cache's own release path is test_helix_prefix_cache.py's).
+            "--disable-radix-cache",
         ]  # fmt: skip
 
     @property

@@ -19,8 +19,8 @@ cannot slip an unsupported value past it. Each run
 - rejects invalid or unsupported configurations with one ``HelixConfigError``
   (a ``ValueError``) naming the flags, their values, and what to do (the
   features Helix does not run with: ``helix_unsupported``);
-- switches off what Helix cannot run with yet (radix cache, CUDA graphs), with
-  one warning, only when it was on;
+- switches off what Helix cannot run with yet (CUDA graphs), with one
+  warning, only when it was on;
 - resolves ``helix_tpa_size`` (0 -> N / KVP) and, when no attention backend was
   given, picks a supported one (one backend for both phases);
 - resolves the KV page and the sizes counted in it (``helix_sizes``).
@@ -128,7 +128,6 @@ def handle_helix_parallelism(server_args: Any) -> None:
 
     if cfg.helix_tpa_size == 0:
         _declare(server_args, helix_tpa_size=cfg.tp_size // cfg.helix_kvp_size)
-    _switch_off_radix_cache(server_args, cfg)
     _switch_off_cuda_graphs(server_args, cfg)
     resolve_kv_page(server_args, cfg)
     resolve_page_multiples(server_args, cfg)
@@ -347,17 +346,6 @@ def _check_page_size(server_args: Any, cfg: Any) -> None:
         f"--helix-kvp-size {cfg.helix_kvp_size} supports only --page-size 1 "
         f"yet, but {value}. Pass --page-size 1, or use --helix-kvp-size 1."
     )
-
-
-def _switch_off_radix_cache(server_args: Any, cfg: Any) -> None:
-    if cfg.disable_radix_cache:
-        return
-    logger.warning(
-        "Helix parallelism (--helix-kvp-size %d): disabling the radix cache; "
-        "prefix reuse over a sequence-sharded KV cache is not supported yet.",
-        cfg.helix_kvp_size,
-    )
-    _declare(server_args, disable_radix_cache=True)
 
 
 def _switch_off_cuda_graphs(server_args: Any, cfg: Any) -> None:

@@ -32,7 +32,7 @@ class Feature(NamedTuple):
     why: str = ""
 
 
-_RADIX = "they need the radix cache, which Helix turns off"
+_RADIX = "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"
 _WRAPPED = "it wraps the attention backend, which the Helix attention does not dispatch"
 
 UNSUPPORTED = (
