@@ -3,16 +3,18 @@
 The pool quantizes on write: ``MHATokenToKVPool.set_kv_buffer`` divides K/V by the layer's
 ``k_scale`` / ``v_scale`` *in place* and stores fp8. Helix attention must
 
-- leave the K/V of an extend intact: KVP rank 0's Triton extend attends the chunk being
-  prefilled from the K/V in hand (upstream's Triton backend clones before the write for this);
+- leave the K/V of an extend intact: the Triton extend attends each segment of the chunk being
+  prefilled over itself from the K/V in hand (upstream's Triton backend clones before the write
+  for this);
 - multiply what it reads back from the pool by the scales (both backends).
 
 Each case drives ``helix_attention`` on both ranks of a KVP = 2 layout, one real fp8
 ``MHATokenToKVPool`` per rank (CPU; Triton kernels under the interpreter), through a chunked
 prefill of two requests (two extends) and two decode steps. The All-to-All is replaced by
 collecting every rank's partials and merging them with ``merge_partials``. Reference: float64
-attention over the dequantized stored K/V (``stored * scale``), except the chunk a Triton extend
-is prefilling, which the kernel reads unquantized from the K/V in hand. The default (a float32
+attention over the dequantized stored K/V (``stored * scale``), except, for a Triton extend, the
+keys of a query's own ownership-chunk segment, which the kernel reads unquantized from the K/V in
+hand. The default (a float32
 pool, no scales) runs the same way.
 """
 
@@ -97,15 +99,22 @@ def _forward_batch(mode, reqs, req_to_token):
     )  # fmt: skip
 
 
-def _reference(q, keys, values, reqs):
-    """float64 causal attention of the new tokens: keys/values[slot][pos] -> out [T, H, D]."""
+def _reference(q, keys, values, reqs, in_hand=None):
+    """float64 causal attention of the new tokens: keys/values[slot][pos] -> out [T, H, D].
+
+    ``in_hand[slot][pos] = (k, v)``: the new tokens' K/V as the layer got them, which a query
+    reads instead of the stored ones for the keys of its own ownership-chunk segment."""
     out, t = [], 0
     for slot, prefix, seq in reqs:
-        kb = torch.stack(keys[slot][:seq]).double().repeat_interleave(H // KVH, dim=1)  # [S, H, D]
-        vb = torch.stack(values[slot][:seq]).double().repeat_interleave(H // KVH, dim=1)
         for pos in range(prefix, seq):
-            s = torch.einsum("hd,lhd->hl", q[t].double(), kb[: pos + 1]) * D**-0.5
-            out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vb[: pos + 1]))
+            ks, vs = list(keys[slot][: pos + 1]), list(values[slot][: pos + 1])
+            if in_hand is not None:
+                for kpos in range(max(prefix, pos // CHUNK * CHUNK), pos + 1):
+                    ks[kpos], vs[kpos] = in_hand[slot][kpos]
+            kb = torch.stack(ks).double().repeat_interleave(H // KVH, dim=1)  # [pos + 1, H, D]
+            vb = torch.stack(vs).double().repeat_interleave(H // KVH, dim=1)
+            s = torch.einsum("hd,lhd->hl", q[t].double(), kb) * D**-0.5
+            out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vb))
             t += 1
     return torch.stack(out)
 
@@ -162,8 +171,9 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
                 assert torch.equal(k_in, k) and torch.equal(v_in, v)
 
         # What attention should have used: the stored fp8 K/V times the scales, read from the
-        # owner's pool; the chunk a Triton extend prefills is read from the K/V in hand.
-        t = 0
+        # owner's pool; a Triton extend reads the keys of each query's own segment (the new tokens
+        # of its ownership chunk) from the K/V in hand.
+        t, in_hand = 0, {0: {}, 1: {}}
         for slot, prefix, seq in reqs:
             locs = req_to_token[slot, :seq].long()
             rows, _ = kv_layout.write_rows(locs, 0, KVP, CHUNK)
@@ -175,12 +185,11 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
                 # stored = fp8(k / scale), or k itself in a plain pool
                 torch.testing.assert_close(keys[slot][pos], k[t], rtol=rounding, atol=0.02 if scales else 0)
                 torch.testing.assert_close(values[slot][pos], v[t], rtol=rounding, atol=0.02 if scales else 0)
-                if backend_name == "triton" and mode == "extend":
-                    keys[slot][pos], values[slot][pos] = k[t], v[t]
+                in_hand[slot][pos] = (k[t], v[t])
                 t += 1
 
         out, _ = merge_partials(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
-        ref = _reference(q, keys, values, reqs)
+        ref = _reference(q, keys, values, reqs, in_hand if backend_name == "triton" and mode == "extend" else None)
         # Triton's GQA kernels multiply fp8 V by the probabilities cast to fp8: up to ~0.06 (e4m3)
         # and ~0.18 (e5m2) off here. K/V left divided by the scales, or read back unscaled: > 2.
         atol = 2.5 * rounding if backend_name == "triton" and scales else 1e-5

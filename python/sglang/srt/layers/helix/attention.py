@@ -11,11 +11,12 @@ keys this rank owns at positions <= p; a rank that owns none returns output 0, L
 
 - ``torch_native``: explicit masked softmax per request in fp32 (the fast CPU path for tests).
 - ``triton``: decode is the upstream two-stage decode kernel with the merged-LSE output
-  (``decode_attention_fwd(..., output_lse=)``) over the local KV list. Extend uses the upstream
-  extend kernel with ``lse_extend``: every rank attends its *owned prefix* (1/KVP of the prefix
-  work each); the causal attention of the chunk being prefilled over itself is computed once, by
-  KVP rank 0, from the K/V in hand (``skip_extend`` elsewhere). Exact, but that chunk-local part is
-  not split across ranks (see docs/helix-design.md, section 3).
+  (``decode_attention_fwd(..., output_lse=)``) over the local KV list. Extend is the upstream
+  extend kernel with ``lse_extend``, three calls over the keys this rank owns, merged on the rank:
+  every query over the owned prefix; each ownership-chunk segment of the new tokens over the
+  owned new tokens before it; each segment causally over itself, kept where the rank owns it. So
+  every rank does ~1/KVP of the prefill attention, the chunk's own part included
+  (docs/helix-design.md, section 3).
 
 Per-batch index metadata (write rows, local KV lists) is built once per forward batch, on the
 first layer, and cached on the ``ForwardBatch``.
@@ -30,7 +31,8 @@ from typing import Optional, Tuple
 import torch
 
 from sglang.srt.layers.helix import kv_layout
-from sglang.srt.layers.helix.comm import helix_a2a_merge
+from sglang.srt.layers.helix.comm import helix_a2a_merge, merge_partials
+from sglang.srt.layers.helix.ownership import owner_rank
 from sglang.srt.model_executor.forward_context import get_attn_backend
 
 TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
@@ -48,14 +50,13 @@ class HelixForwardMetadata:
     kv_indptr: torch.Tensor  # [B+1] local KV list of positions [0, seq_len) (new tokens included)
     kv_indices: torch.Tensor  # [L]
     total_local: int
-    prefix_kv_indptr: Optional[torch.Tensor] = None  # extend: local list of positions [0, prefix_len)
-    prefix_kv_indices: Optional[torch.Tensor] = None
-    qo_indptr: Optional[torch.Tensor] = None  # extend: [B+1]
     # torch_native: global positions of the listed keys [L], and kv_indptr on the host
     kv_positions: Optional[torch.Tensor] = None
     kv_indptr_host: Optional[list] = None
     # triton decode: stage-1 split buffers, allocated on the first layer and reused by the others
     decode_splits: Optional[tuple] = None  # (attn_logits [B, H, S, Dv], attn_lse [B, H, S], num_kv_splits [B])
+    # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
+    extend_lists: Optional["TritonExtendLists"] = None
 
     @classmethod
     def build(cls, forward_batch) -> "HelixForwardMetadata":
@@ -70,18 +71,7 @@ class HelixForwardMetadata:
         indptr, indices, _ = kv_layout.local_kv_indices(
             pool, forward_batch.req_pool_indices, forward_batch.seq_lens, total, k, n, c
         )
-        meta = cls(k, n, c, rows, indptr, indices, total)
-        if forward_batch.forward_mode.is_extend():
-            device = forward_batch.seq_lens.device
-            prefix_cpu = forward_batch.extend_prefix_lens_cpu
-            prefix_total = kv_layout.total_local_len(prefix_cpu, k, n, c)
-            meta.prefix_kv_indptr, meta.prefix_kv_indices, _ = kv_layout.local_kv_indices(
-                pool, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens, prefix_total, k, n, c
-            )
-            qo = torch.zeros(len(prefix_cpu) + 1, dtype=torch.int32, device=device)
-            torch.cumsum(forward_batch.extend_seq_lens, dim=0, out=qo[1:])
-            meta.qo_indptr = qo
-        return meta
+        return cls(k, n, c, rows, indptr, indices, total)
 
     @classmethod
     def of(cls, forward_batch) -> "HelixForwardMetadata":
@@ -90,6 +80,63 @@ class HelixForwardMetadata:
             meta = cls.build(forward_batch)
             forward_batch.helix_metadata = meta
         return meta
+
+
+@dataclass
+class TritonExtendLists:
+    """The owned-key lists of the Triton extend's three partial calls (one forward batch).
+
+    Requests: ``qo_indptr [B+1]`` over the batch's T new tokens, ``prefix_kv_*`` the owned keys
+    at positions ``[0, prefix_len)``. Segments (``kv_layout.extend_segments``: the new tokens
+    split at ownership-chunk boundaries): ``seg_qo_indptr [S+1]``, ``seg_kv_*`` the owned keys at
+    positions ``[prefix_len, segment start)`` (new tokens, already written to the pool), and
+    ``seg_owned [T]``: whether this rank owns the segment of each new token.
+    """
+
+    qo_indptr: torch.Tensor
+    prefix_kv_indptr: torch.Tensor
+    prefix_kv_indices: torch.Tensor
+    max_extend_len: int
+    extend_lens_cpu: list
+    seg_qo_indptr: torch.Tensor
+    seg_kv_indptr: torch.Tensor
+    seg_kv_indices: torch.Tensor
+    seg_owned: torch.Tensor
+    max_seg_len: int
+    seg_lens_cpu: list
+
+    @classmethod
+    def build(cls, forward_batch, meta: HelixForwardMetadata, pool: torch.Tensor) -> "TritonExtendLists":
+        k, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
+        device = forward_batch.seq_lens.device
+        prefix_cpu = [int(x) for x in forward_batch.extend_prefix_lens_cpu]
+        extend_cpu = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        slots = forward_batch.req_pool_indices
+        qo = torch.zeros(len(extend_cpu) + 1, dtype=torch.int32, device=device)
+        torch.cumsum(forward_batch.extend_seq_lens, dim=0, out=qo[1:])
+        prefix_total = kv_layout.total_local_len(prefix_cpu, k, n, c)
+        prefix_indptr, prefix_indices, _ = kv_layout.local_kv_indices(
+            pool, slots, forward_batch.extend_prefix_lens, prefix_total, k, n, c
+        )
+        request, start, length = kv_layout.extend_segments(prefix_cpu, extend_cpu, c)
+        seg_total = kv_layout.total_local_len(start, k, n, c) - kv_layout.total_local_len(
+            [prefix_cpu[b] for b in request], k, n, c
+        )
+        request_t = torch.tensor(request, dtype=torch.int64, device=device)
+        seg_start = torch.tensor(start, dtype=torch.int64, device=device)
+        seg_indptr, seg_indices, _ = kv_layout.local_kv_indices(
+            pool, slots[request_t], seg_start, seg_total, k, n, c,
+            kv_starts=forward_batch.extend_prefix_lens.to(torch.int64)[request_t],
+        )  # fmt: skip
+        seg_lens = torch.tensor(length, dtype=torch.int64, device=device)
+        seg_qo = torch.zeros(len(length) + 1, dtype=torch.int32, device=device)
+        torch.cumsum(seg_lens, dim=0, out=seg_qo[1:])
+        owned = owner_rank(seg_start, n, c) == k  # [S]
+        seg_owned = torch.repeat_interleave(owned, seg_lens, output_size=sum(length))  # [T]
+        return cls(
+            qo, prefix_indptr, prefix_indices, max(extend_cpu), extend_cpu,
+            seg_qo, seg_indptr, seg_indices, seg_owned, max(length), length,
+        )  # fmt: skip
 
 
 def _req_to_token(backend) -> torch.Tensor:
@@ -207,9 +254,9 @@ def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, b
     v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
     k_descale, v_descale = _kv_scales(layer, backend.token_to_kv_pool, q.dtype) or (1.0, 1.0)
     T, H, _ = q.shape
-    out = torch.empty(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if forward_batch.forward_mode.is_decode():
+        out = torch.empty(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
         splits = backend.max_kv_splits
         shape = (T, H, splits, layer.v_head_dim)
         if meta.decode_splits is None or meta.decode_splits[0].shape != shape:
@@ -224,14 +271,29 @@ def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, b
             num_kv_splits, splits, layer.scaling, k_descale, v_descale, output_lse=lse,
         )  # fmt: skip
         return out, lse
-    # Extend: owned prefix on every rank; the chunk's own causal part on KVP rank 0 only.
-    extend_attention_fwd(
-        q, k.contiguous(), v.contiguous(), out, k_buf, v_buf,
-        meta.qo_indptr, meta.prefix_kv_indptr, meta.prefix_kv_indices,
-        None, True, None, max(forward_batch.extend_seq_lens_cpu), k_descale, v_descale,
-        sm_scale=layer.scaling, lse_extend=lse, skip_extend=meta.kvp_rank != 0,
-        extend_seq_lens_cpu=forward_batch.extend_seq_lens_cpu,
-    )  # fmt: skip
+    # Extend: three partials over the keys this rank owns (docs/helix-design.md, section 3),
+    # merged here: [0] every query over the owned prefix, [1] each segment over the owned new
+    # tokens before it, [2] each segment causally over itself (kept only where this rank owns it;
+    # the others compute it too, a chunk x segment sliver, rather than gather the owned ones).
+    if meta.extend_lists is None:  # once per batch
+        meta.extend_lists = TritonExtendLists.build(forward_batch, meta, _req_to_token(backend))
+    x = meta.extend_lists
+    outs = torch.empty((3, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device)  # [3, T, Q/TPA, Dv]
+    lses = torch.empty((3, T, H), dtype=torch.float32, device=q.device)
+    k, v = k.contiguous(), v.contiguous()
+    calls = (
+        (x.qo_indptr, x.prefix_kv_indptr, x.prefix_kv_indices, x.max_extend_len, x.extend_lens_cpu, True, False),
+        (x.seg_qo_indptr, x.seg_kv_indptr, x.seg_kv_indices, x.max_seg_len, x.seg_lens_cpu, True, False),
+        (x.seg_qo_indptr, x.seg_kv_indptr, x.seg_kv_indices, x.max_seg_len, x.seg_lens_cpu, False, True),
+    )
+    for i, (qo, kv_indptr, kv_indices, max_len, lens_cpu, skip_extend, skip_prefix) in enumerate(calls):
+        extend_attention_fwd(
+            q, k, v, outs[i], k_buf, v_buf, qo, kv_indptr, kv_indices, None, True, None, max_len,
+            k_descale, v_descale, sm_scale=layer.scaling, lse_extend=lses[i],
+            skip_extend=skip_extend, skip_prefix=skip_prefix, extend_seq_lens_cpu=lens_cpu,
+        )  # fmt: skip
+    lses[2].masked_fill_(~x.seg_owned[:, None], float("-inf"))
+    out, lse = merge_partials(outs, lses)
     return out, lse
 
 

@@ -18,7 +18,7 @@ known on the host come from host-side lengths the scheduler already has.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,26 +48,33 @@ def local_kv_indices(
     kvp_rank: int,
     kvp_size: int,
     chunk: int,
+    kv_starts: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CSR list of the physical rows of the tokens this rank owns, per request, in position order.
 
     Args:
         req_to_token: ``[R, max_context]`` logical locs by (request slot, global position).
         req_pool_indices: ``[B]`` request slots.
-        kv_lens: ``[B]`` global KV lengths (positions ``[0, kv_len)`` are listed).
-        total_local: ``sum(local_kv_len(kv_lens))``, computed on the host from the host copy of the
+        kv_lens: ``[B]`` global KV lengths (positions ``[kv_start, kv_len)`` are listed).
+        total_local: the number of listed tokens (``sum(local_kv_len(kv_lens)) -
+            sum(local_kv_len(kv_starts))``), computed on the host from the host copy of the
             lengths (so that no device value is read here).
+        kv_starts: ``[B]`` first global position listed (default 0).
     Returns:
         ``(kv_indptr [B+1] int32, kv_indices [total_local] int64, local_lens [B] int32)``.
     """
     device = req_to_token.device
-    local_lens = local_kv_len(kv_lens.to(torch.int64), kvp_rank, kvp_size, chunk)  # [B]
+    local_hi = local_kv_len(kv_lens.to(torch.int64), kvp_rank, kvp_size, chunk)  # [B]
+    local_lo = 0 if kv_starts is None else local_kv_len(kv_starts.to(torch.int64), kvp_rank, kvp_size, chunk)
+    local_lens = local_hi - local_lo
     kv_indptr = torch.zeros(kv_lens.shape[0] + 1, dtype=torch.int32, device=device)
     torch.cumsum(local_lens, dim=0, out=kv_indptr[1:])
     batch = torch.repeat_interleave(
         torch.arange(kv_lens.shape[0], device=device), local_lens, output_size=total_local
     )  # [L] request of each listed token
     local_pos = torch.arange(total_local, device=device) - kv_indptr[:-1].to(torch.int64)[batch]
+    if kv_starts is not None:
+        local_pos = local_pos + local_lo[batch]
     pos = global_position(local_pos, kvp_rank, kvp_size, chunk)  # [L]
     loc = req_to_token[req_pool_indices.to(torch.int64)[batch], pos].to(torch.int64)
     return kv_indptr, local_position(loc, kvp_size, chunk), local_lens.to(torch.int32)
@@ -78,6 +85,28 @@ def total_local_len(kv_lens_cpu, kvp_rank: int, kvp_size: int, chunk: int) -> in
     if isinstance(kv_lens_cpu, torch.Tensor):
         return int(local_kv_len(kv_lens_cpu.to(torch.int64), kvp_rank, kvp_size, chunk).sum())
     return sum(local_kv_len(int(s), kvp_rank, kvp_size, chunk) for s in kv_lens_cpu)
+
+
+def extend_segments(
+    prefix_lens: Sequence[int], extend_lens: Sequence[int], chunk: int
+) -> Tuple[List[int], List[int], List[int]]:
+    """Split each request's new tokens ``[prefix_len, prefix_len + extend_len)`` at ownership-chunk
+    boundaries (multiples of ``chunk``): every segment lies in one chunk, so one rank owns it.
+
+    Host lists in, host lists out (prefill metadata comes from host lengths): ``(request [S],
+    start [S] global position of the segment's first token, length [S])``, in token order, so the
+    segments of the batch tile its ``T`` new tokens.
+    """
+    request, start, length = [], [], []
+    for b, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        pos, end = int(p), int(p) + int(e)
+        while pos < end:
+            stop = min(end, (pos // chunk + 1) * chunk)
+            request.append(b)
+            start.append(pos)
+            length.append(stop - pos)
+            pos = stop
+    return request, start, length
 
 
 def owned_positions(kv_indptr: torch.Tensor, total_local: int, kvp_rank: int, kvp_size: int, chunk: int) -> torch.Tensor:
