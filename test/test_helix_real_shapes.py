@@ -45,6 +45,11 @@ HD128 = TinyModelSpec(num_heads=8, num_kv_heads=2, head_dim=128, num_layers=2)
 # gap is under 2 ulps (BF16_MARGIN), that step excluded: a tie decided by rounding is no evidence.
 BF16_LOGPROB_ATOL = 0.5
 BF16_MARGIN = 0.5
+# Far in the tail the logits' own size shows: a runner-up 13 nats down moved by 0.75 (-13.25 vs
+# -14.0, 2026-11-23, a re-run of the same case that first measured 0.25). A rounding of the hidden
+# state moves a logit by a few bf16 ulps *of that logit* (2^-8 relative), so the bound grows with
+# the logprob's size: 0.5 + |logprob| / 32 (8 relative ulps). Top-1 logprobs are near 0 here.
+BF16_LOGPROB_RTOL = 1 / 32
 
 
 def assert_close_bf16(ref, got, what: str) -> int:
@@ -54,7 +59,8 @@ def assert_close_bf16(ref, got, what: str) -> int:
     assert got.tokens[:n] == ref.tokens[:n], f"{what}: tokens differ within the first {n} steps\nref={ref.tokens[:n]}\ngot={got.tokens[:n]}"
     for i in range(n):
         pairs = [(got.logprobs[i], ref.logprobs[i])] + list(zip(got.top2[i], ref.top2[i]))
-        assert all(abs(a - b) <= BF16_LOGPROB_ATOL for a, b in pairs), f"{what}: step {i}: {pairs}"
+        bound = lambda b: BF16_LOGPROB_ATOL + BF16_LOGPROB_RTOL * abs(b)  # noqa: E731
+        assert all(abs(a - b) <= bound(b) for a, b in pairs), f"{what}: step {i}: {pairs}"
     return n
 
 
