@@ -1,0 +1,216 @@
+"""One-GPU check of a Helix KVP group's decode attention step: exact, capturable, and how fast.
+
+    python benchmark/gpu_kernels.py                       # a GPU: Llama-70B-like per-rank shapes
+    python benchmark/gpu_kernels.py --context 4096,131072,1048576 --batch 1,8 --kvp 2,4,8
+    TRITON_INTERPRET=1 python benchmark/gpu_kernels.py --cpu-smoke   # the same code on the CPU, tiny
+
+Needs only torch, triton and the series' kernel sources: sglang's Triton decode kernel (with patch
+0002's merged-LSE output), upstream's DCP pack/combine kernels and the Helix modules ``comm`` and
+``ownership``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
+(see ../shared/notes/gpu-machine.md); that folder goes first on ``sys.path``. No server, no
+network. Without a GPU (and without ``--cpu-smoke``) it says so and exits 0.
+
+One KVP group of one TPA slice is emulated in one process, for ``H = Q/TPA`` query heads and
+``KH = K/TPA`` KV heads (default Llama-70B at TPA 8: 8 query heads, 1 KV head, head dim 128,
+bf16): the context's KV is sharded round-robin in chunks over KVP ranks, each rank runs the
+decode kernel over its shard with the merged LSE, packs (``comm``'s send buffer), the All-to-All
+is a device copy of the packed buffers, and each rank merges its head slice. Checked:
+
+- exact: the merged output against float64 attention over the whole context (bf16 rounding);
+- capturable: the whole step captured in a CUDA graph and replayed gives the eager result;
+- timed (``triton.testing.do_bench``, and graph replay): one Helix rank's step (its shard's
+  decode + pack + merge) against plain TP's per-rank attention at the same N = KVP x TPA (Q/N
+  query heads, max(1, K/N) KV heads over the whole context).
+
+Prints one row per (context, batch, KVP) and writes the rows as JSON (``--json``, or under $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_SRC = os.path.join(ROOT, ".gpu", "src")
+if os.path.isdir(GPU_SRC):
+    sys.path.insert(0, GPU_SRC)
+
+import torch  # noqa: E402
+
+
+def _kernels():
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    from sglang.srt.layers.helix import comm
+    from sglang.srt.layers.helix.ownership import owner_rank
+
+    return decode_attention_fwd, comm, owner_rank
+
+
+def shard_positions(context: int, kvp: int, chunk: int, owner_rank) -> list:
+    """Global positions each KVP rank owns, in order (round-robin chunks)."""
+    pos = torch.arange(context)
+    owner = owner_rank(pos, kvp, chunk)
+    return [pos[owner == k] for k in range(kvp)]
+
+
+class HelixGroupStep:
+    """Static buffers and the step of one KVP group (one TPA slice), for eager runs and capture."""
+
+    def __init__(self, q, k, v, kvp: int, chunk: int, splits: int):
+        decode, comm, owner_rank = _kernels()
+        self.decode, self.comm = decode, comm
+        B, H, D = q.shape
+        self.B, self.H, self.D, self.kvp, self.splits = B, H, D, kvp, splits
+        self.q = q
+        self.scale = D**-0.5
+        self.shards = []
+        for positions in shard_positions(k.shape[1], kvp, chunk, owner_rank):
+            n = positions.numel()
+            kb = k[:, positions].reshape(B * n, k.shape[2], D).contiguous()  # rows of this shard
+            vb = v[:, positions].reshape(B * n, v.shape[2], D).contiguous()
+            indptr = torch.arange(B + 1, device=q.device, dtype=torch.int32) * n
+            indices = torch.arange(B * n, device=q.device, dtype=torch.int64)
+            out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+            lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
+            logits = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+            split_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+            num_splits = torch.full((B,), splits, dtype=torch.int32, device=q.device)
+            shape = comm.a2a_buffer_shape(B, H, D, q.dtype, kvp)
+            send = torch.empty(shape, dtype=q.dtype, device=q.device)
+            self.shards.append((kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send))
+        self.recv = [torch.empty_like(self.shards[0][-1]) for _ in range(kvp)]
+        self.merged = torch.empty(kvp, B, H // kvp, D, dtype=q.dtype, device=q.device)
+        self.lpd = self.recv[0].shape[-1] - D
+
+    def rank_decode_pack(self, r: int) -> None:
+        kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send = self.shards[r]
+        self.decode(self.q, kb, vb, out, indptr, indices, logits, split_lse, num_splits, self.splits,
+                    self.scale, 1.0, 1.0, output_lse=lse)  # fmt: skip
+        self.comm._pack_send(out, lse, send, True)
+
+    def exchange(self) -> None:
+        for dst in range(self.kvp):  # the All-to-All: chunk src of rank dst's receive = send[src][dst]
+            for src in range(self.kvp):
+                self.recv[dst][src].copy_(self.shards[src][-1][dst])
+
+    def rank_merge(self, r: int) -> None:
+        recv, D = self.recv[r], self.D
+        out, _ = self.comm._combine(recv[..., :D], recv.view(torch.float32)[..., D // self.lpd], False, True)
+        self.merged[r].copy_(out)
+
+    def __call__(self) -> torch.Tensor:
+        for r in range(self.kvp):
+            self.rank_decode_pack(r)
+        self.exchange()
+        for r in range(self.kvp):
+            self.rank_merge(r)
+        return self.merged.transpose(0, 1).reshape(self.B, self.H, self.D)  # [B, H, D], heads in order
+
+
+def reference(q, k, v) -> torch.Tensor:
+    """float64 attention of q [B, H, D] over k/v [B, S, KH, D] (GQA)."""
+    group = q.shape[1] // k.shape[2]
+    kk = k.double().repeat_interleave(group, dim=2)  # [B, S, H, D]
+    vv = v.double().repeat_interleave(group, dim=2)
+    s = torch.einsum("bhd,bshd->bhs", q.double(), kk) * q.shape[-1] ** -0.5
+    return torch.einsum("bhs,bshd->bhd", s.softmax(-1), vv)
+
+
+def plain_tp_rank(q, k, v, n_heads: int, kv_heads: int, splits: int):
+    """Plain TP's per-rank attention: ``n_heads`` query heads over the whole context with
+    ``kv_heads`` KV heads (KV replicated once N > K)."""
+    decode, _, _ = _kernels()
+    B, S, _, D = k.shape
+    qq = q[:, :n_heads].contiguous()
+    kb = k[:, :, :kv_heads].reshape(B * S, kv_heads, D).contiguous()
+    vb = v[:, :, :kv_heads].reshape(B * S, kv_heads, D).contiguous()
+    indptr = torch.arange(B + 1, device=q.device, dtype=torch.int32) * S
+    indices = torch.arange(B * S, device=q.device, dtype=torch.int64)
+    out = torch.empty(B, n_heads, D, dtype=q.dtype, device=q.device)
+    logits = torch.empty(B, n_heads, splits, D, dtype=torch.float32, device=q.device)
+    split_lse = torch.empty(B, n_heads, splits, dtype=torch.float32, device=q.device)
+    num_splits = torch.full((B,), splits, dtype=torch.int32, device=q.device)
+    return lambda: decode(qq, kb, vb, out, indptr, indices, logits, split_lse, num_splits, splits, D**-0.5, 1.0, 1.0)
+
+
+def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtype, device, timing: bool) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(context + batch + kvp)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
+    step = HelixGroupStep(q, k, v, kvp, chunk, splits)
+    eager = step().clone()
+    err = (eager.double() - reference(q, k, v)).abs().max().item()
+    row = {"context": context, "batch": batch, "kvp": kvp, "heads": heads, "kv_heads": kv_heads,
+           "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "max_abs_err_vs_fp64": err}  # fmt: skip
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        row["graph_equals_eager"] = bool(torch.equal(step.merged.transpose(0, 1).reshape_as(eager), eager))
+    if timing and device == "cuda":
+        from triton.testing import do_bench
+
+        def one_rank():  # rank 0: its shard's decode + pack, its merge (the exchange is a copy here)
+            step.rank_decode_pack(0)
+            step.rank_merge(0)
+
+        # Plain TP at N = KVP x TPA: Q/N = H/KVP query heads, max(1, K/N) = max(1, KH/KVP) KV heads.
+        tp = plain_tp_rank(q, k, v, max(1, heads // kvp), max(1, kv_heads // kvp), splits)
+        row["helix_rank_us"] = do_bench(one_rank) * 1e3
+        row["plain_tp_rank_us"] = do_bench(tp) * 1e3
+        row["speedup"] = row["plain_tp_rank_us"] / row["helix_rank_us"]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", default="4096,131072,1048576")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--kvp", default="2,4,8")
+    p.add_argument("--heads", type=int, default=8, help="Q/TPA query heads of one TPA slice")
+    p.add_argument("--kv-heads", type=int, default=1, help="K/TPA KV heads of one TPA slice")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=64, help="--helix-kvp-chunk-size")
+    p.add_argument("--splits", type=int, default=8, help="KV splits of the decode kernel")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--cpu-smoke needs TRITON_INTERPRET=1 in the environment (Triton reads it at import)")
+        device, dtype, timing = "cpu", torch.float32, False
+        contexts, batches, kvps = [200], [2], [2, 4]
+        args.head_dim, args.chunk, args.splits = 16, 8, 2
+    elif not torch.cuda.is_available():
+        print("gpu_kernels: no GPU here (torch.cuda.is_available() is False); nothing to run.")
+        return 0
+    else:
+        device, dtype, timing = "cuda", torch.bfloat16, True
+        contexts, batches, kvps = ([int(x) for x in s.split(",")] for s in (args.context, args.batch, args.kvp))
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            for kvp in kvps:
+                row = run_case(context, batch, kvp, args.heads, args.kv_heads, args.head_dim, args.chunk,
+                               args.splits, dtype, device, timing)  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    out = args.json or (os.path.join(os.environ["OUT"], "gpu_kernels.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "rows": rows}, f, indent=1)
+    bad = [r for r in rows if r["max_abs_err_vs_fp64"] > (2e-2 if dtype == torch.bfloat16 else 1e-4) or r.get("graph_equals_eager") is False]
+    if bad:
+        print(f"gpu_kernels: {len(bad)} case(s) failed the checks", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
