@@ -9,10 +9,13 @@ import subprocess
 
 import pytest
 
+from conftest import FULL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.e2e
+@FULL  # a server start (~70 s); test_server_harness.py starts one in the default run
 def test_demo_serves_with_helix_and_stops_cleanly(tmp_path):
     cmd = ["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--tp", "2", "--helix-kvp-size", "2"]
     cmd += ["--model-dir", str(tmp_path / "model")]

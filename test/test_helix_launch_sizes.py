@@ -47,9 +47,9 @@ CASES = {
 
 
 @pytest.mark.e2e
-# The default run: the --chunked-prefill-size case (its reference is the shared --tp 4 one); the
-# others with HELIX_TEST_FULL=1. test_helix_args.py resolves the whole table without servers.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "kvp4-chunked-prefill-128" else FULL) for c in CASES])
+# All three with HELIX_TEST_FULL=1 (~75 s each); the default run resolves the whole table through
+# the real pipeline without servers (test_helix_args.py::test_page_multiples_resolve).
+@pytest.mark.parametrize("case", [pytest.param(c, marks=FULL) for c in CASES])
 def test_helix_resolved_sizes_serve_like_plain_tp(model_dir, server_log_dir, case):
     spec, tp, helix_args, log_lines = CASES[case]
     model = model_dir(spec)
