@@ -40,7 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import FULL, KV2, run_workload, start_server, stop_server
-from sglang_helix.testing.openai_probe import LOGPROB_ATOL, Generation, _client, _top2, assert_same_generation
+from sglang_helix.testing.openai_probe import (
+    LOGPROB_ATOL,
+    Generation,
+    _client,
+    _top2,
+    assert_same_generation,
+    chat_response,
+)
 from test_helix_kv_leak import DEBUG_ENV, LEAK_PATTERNS, _busy_counts, _get, _wait_idle
 
 TP, KVP, CHUNK = 2, 2, 4
@@ -81,13 +88,7 @@ def _complete(client, prompt: str, max_tokens: int = 8):
 
 
 def _chat(client, messages, max_tokens: int = 8):
-    r = client.chat.completions.create(
-        model="default", messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True,
-        top_logprobs=2, extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    c = r.choices[0]
-    content = c.logprobs.content
-    gen = Generation(c.message.content, [t.token for t in content], [t.logprob for t in content], [_top2(t.top_logprobs) for t in content])
+    gen, r = chat_response(client, messages, max_tokens)
     return gen, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
 
 

@@ -88,14 +88,21 @@ def completion_stream(client, prompt: str = PROMPTS[1], max_tokens: int = 16) ->
     return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
 
-def chat(client, messages=CHAT, max_tokens: int = 16) -> Generation:
+def chat_response(client, messages=CHAT, max_tokens: int = 16):
+    """``(Generation, the raw response)``: the response carries ``usage`` (cached tokens with
+    ``--enable-cache-report``)."""
     r = client.chat.completions.create(
         model="default", messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True,
         top_logprobs=2, extra_body={"ignore_eos": True},
     )  # fmt: skip
     c = r.choices[0]
     content = c.logprobs.content
-    return Generation(c.message.content, [t.token for t in content], [t.logprob for t in content], [_top2(t.top_logprobs) for t in content])
+    gen = Generation(c.message.content, [t.token for t in content], [t.logprob for t in content], [_top2(t.top_logprobs) for t in content])
+    return gen, r
+
+
+def chat(client, messages=CHAT, max_tokens: int = 16) -> Generation:
+    return chat_response(client, messages, max_tokens)[0]
 
 
 def chat_stream(client, messages=CHAT, max_tokens: int = 16) -> str:
