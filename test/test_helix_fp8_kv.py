@@ -129,8 +129,11 @@ KV_CACHES = {
 
 
 @pytest.mark.parametrize("kv_cache", list(KV_CACHES))
-@pytest.mark.parametrize("backend_name", ["torch_native", "triton"])
+@pytest.mark.parametrize("backend_name", ["torch_native", "triton", "torch_native-blocked"])
 def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
+    if backend_name == "torch_native-blocked":  # the torch path one query row at a time (long prefills)
+        monkeypatch.setattr(attention, "_SCORE_ELEMS", 1)
+        backend_name = "torch_native"
     kv_dtype, rounding, scales = KV_CACHES[kv_cache]
     k_scale, v_scale = scales or (1.0, 1.0)
     g = torch.Generator().manual_seed(0)

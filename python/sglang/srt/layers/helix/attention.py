@@ -9,7 +9,7 @@
 Partial attention contract (both backends): for query token t at global position p, attend to the
 keys this rank owns at positions <= p; a rank that owns none returns output 0, LSE -inf.
 
-- ``torch_native``: explicit masked softmax per request in fp32 (the fast CPU path for tests).
+- ``torch_native``: masked softmax per request in fp32, grouped by KV head (the CPU path).
 - ``triton``: decode is the upstream two-stage decode kernel with the merged-LSE output
   (``decode_attention_fwd(..., output_lse=)``) over the local KV list. Extend is the upstream
   extend kernel with ``lse_extend``, three calls over the keys this rank owns, merged on the rank:
@@ -36,6 +36,7 @@ from sglang.srt.layers.helix.ownership import owner_rank
 from sglang.srt.model_executor.forward_context import get_attn_backend
 
 TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
+_SCORE_ELEMS = 1 << 25  # torch path: the most fp32 scores [K/TPA, g, t, L] held at once (128 MiB)
 
 # DEBUG: directory for per-rank K/V dumps (see _debug_dump_kv); read once, unset = no dumps.
 _DEBUG_KV_DIR = os.environ.get("SGLANG_HELIX_DEBUG_KV_DIR") or None
@@ -191,13 +192,19 @@ def _check_layer(layer) -> None:
 
 
 def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool):
-    """Masked softmax per request in fp32: ``out [T, H, Dv]``, ``lse [T, H]``."""
+    """Masked softmax per request in fp32: ``out [T, H, Dv]``, ``lse [T, H]``.
+
+    Grouped over the KV heads (``H = K/TPA * g``): each KV head is read once for its ``g`` query
+    heads, never repeated ``g`` times. Queries go in blocks so the score tensor
+    ``[K/TPA, g, t, L]`` stays under ``_SCORE_ELEMS`` elements on long prefills.
+    """
     _check_layer(layer)
     k_buf = kv_pool.get_key_buffer(layer.layer_id)
     v_buf = kv_pool.get_value_buffer(layer.layer_id)
     k_descale, v_descale = _kv_scales(layer, kv_pool, q.dtype) or (1.0, 1.0)
-    T, H, _ = q.shape
-    group = H // layer.tp_k_head_num
+    T, H, D = q.shape
+    num_kv_heads = layer.tp_k_head_num
+    group = H // num_kv_heads
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     if meta.kv_positions is None:  # once per batch (CPU path: host values are free here)
@@ -206,28 +213,33 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         )
         meta.kv_indptr_host = meta.kv_indptr.tolist()
     key_pos, indptr = meta.kv_positions, meta.kv_indptr_host
-    if forward_batch.forward_mode.is_decode():
-        q_lens = [1] * (len(indptr) - 1)
-    else:
-        q_lens = forward_batch.extend_seq_lens_cpu
+    decode = forward_batch.forward_mode.is_decode()
+    q_lens = [1] * (len(indptr) - 1) if decode else forward_batch.extend_seq_lens_cpu
     start = 0
     for b, q_len in enumerate(q_lens):
         lo, hi = indptr[b], indptr[b + 1]
-        tok = slice(start, start + q_len)
-        start += q_len
+        first, start = start, start + q_len
         if hi == lo:
             continue  # this rank owns none of the request's tokens: neutral partial
         rows = meta.kv_indices[lo:hi]
-        kb = (k_buf[rows].float() * k_descale).repeat_interleave(group, dim=1)  # [L, H, D]
-        vb = (v_buf[rows].float() * v_descale).repeat_interleave(group, dim=1)
-        s = torch.einsum("thd,lhd->htl", q[tok].float(), kb) * layer.scaling  # [H, t, L]
-        visible = key_pos[lo:hi][None, :] <= forward_batch.positions[tok][:, None].long()  # [t, L]
-        s = s.masked_fill(~visible[None], float("-inf"))
-        m = torch.logsumexp(s, dim=-1)  # [H, t]; -inf where nothing is visible
-        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
-        o = torch.einsum("htl,lhd->thd", p, vb)
-        out[tok] = o.to(out.dtype)
-        lse[tok] = m.transpose(0, 1)
+        kb = k_buf[rows].float() * k_descale  # [L, K/TPA, D]
+        vb = v_buf[rows].float() * v_descale  # [L, K/TPA, Dv]
+        block = max(1, _SCORE_ELEMS // (H * (hi - lo)))
+        for t0 in range(first, first + q_len, block):
+            tok = slice(t0, min(t0 + block, first + q_len))
+            qb = q[tok].float().view(-1, num_kv_heads, group, D)  # [t, K/TPA, g, D]
+            n_keys = hi - lo  # a decode token sees every key of its request
+            if not decode:  # prefill is causal: keys (listed by position) past the block's last query are unseen
+                query_pos = forward_batch.positions[tok].long()
+                n_keys = int(torch.searchsorted(key_pos[lo:hi], query_pos[-1:], right=True)[0])
+            s = torch.einsum("tkgd,lkd->kgtl", qb, kb[:n_keys]) * layer.scaling  # [K/TPA, g, t, L]
+            if not decode:
+                s = s.masked_fill(key_pos[lo : lo + n_keys][None, :] > query_pos[:, None], float("-inf"))
+            m = torch.logsumexp(s, dim=-1)  # [K/TPA, g, t]; -inf where nothing is visible
+            p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
+            o = torch.einsum("kgtl,lkd->tkgd", p, vb[:n_keys])  # [t, K/TPA, g, Dv]
+            out[tok] = o.reshape(o.shape[0], H, -1).to(out.dtype)
+            lse[tok] = m.permute(2, 0, 1).reshape(-1, H)
     return out, lse
 
 
