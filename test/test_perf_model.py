@@ -116,8 +116,73 @@ def test_config_json_and_the_command(tmp_path, capsys):
     path.write_text(json.dumps(cfg))
     m = pm.model_from_config(str(path))
     assert (m.layers, m.hidden, m.q_heads, m.kv_heads, m.head_dim, m.kv_dim, m.ffn) == (2, 64, 8, 2, 8, 16, 128)
-    svg = tmp_path / "p.svg"
+    png = tmp_path / "p.png"
     assert pm.main(["--model", str(path), "--hw", "h100", "--gpus", "4", "--context", "65536",
-                    "--pareto", str(svg), "--recommend", "latency", "--target", "1"]) == 0  # fmt: skip
+                    "--pareto", str(png), "--recommend", "latency", "--target", "1"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "Helix KVP4xTPA1" in out and "recommend:" in out and svg.read_text().startswith("<svg")
+    assert "Helix KVP4xTPA1" in out and "recommend:" in out and png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_comm_per_layer_by_hand():
+    """Llama-3.3-70B (Q 64, K 8, D 128, hidden 8192), bf16, batch 1, N = 4."""
+    m = pm.MODELS["llama-3.3-70b"]
+    ar = 2 * 2 * 3 / 4 * 8192 * 2  # two ring all-reduces of [1, 8192] bf16: 48 KiB
+    assert pm.comm_per_layer(m, 4, "tp", 1) == {"all-reduce o_proj + FFN": ar}
+    # Helix KVP 4 x TPA 1: 3 of 4 slices of [16 heads, 128 bf16 + 4 B LSE] leave the GPU
+    helix = pm.comm_per_layer(m, 4, "helix", 4)
+    assert helix["all-to-all partials + LSE"] == 3 * 16 * (128 * 2 + 4) == 12480
+    assert helix["all-reduce o_proj + FFN"] == ar and len(helix) == 2
+    # upstream DCP 4: gather Q [16, 128] bf16, gather fp32 LSE [64], all-reduce fp32 out [64, 128]
+    dcp = pm.comm_per_layer(m, 4, "dcp", 4)
+    assert dcp["all-gather Q"] == 3 * 16 * 128 * 2
+    assert dcp["all-gather LSE (fp32)"] == 3 * 64 * 4
+    assert dcp["all-reduce outputs (fp32)"] == 2 * 3 / 4 * 64 * 128 * 4
+    assert sum(dcp.values()) - ar == 62208  # 5x Helix's 12480 at the same N
+    # batch scales every term; S never appears
+    assert pm.comm_per_layer(m, 8, "helix", 8, batch=8)["all-to-all partials + LSE"] == 8 * 7 * 8 * 260
+    with pytest.raises(ValueError, match="unknown scheme"):
+        pm.comm_per_layer(m, 4, "ring", 2)
+
+
+def test_comm_table_cli(capsys):
+    assert pm.main(["--model", "llama-3.3-70b", "--comm", "4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "TP4 Helix KVP4xTPA1" in out and "TP8 DCP8 (upstream)" in out and "12.19 KiB" in out
+
+
+def test_medha_baseline_keeps_o_proj_and_ffn_on_tpa():
+    """Medha-style KVP 2 x TP 2: attention as Helix, o_proj / FFN / lm_head / all-reduces over TPA = 2."""
+    medha = pm.step(TINY, HW, pm.Layout(4, 2, "medha"), 1000, 1, "bf16", "bf16")
+    helix = pm.step(TINY, HW, pm.Layout(4, 2), 1000, 1, "bf16", "bf16")
+    # per layer: qkv 64*12*8/2 + o 8*8*64/2 + FFN 3*64*128/2 = 17408 params; lm_head 1000*64/2
+    assert medha.weights_s == pytest.approx((2 * 17408 + 32000) * 2 / 1e12)
+    assert medha.ar_s == pytest.approx(2 * 2 * (1e-6 + 2 * 1 / 2 * 64 * 2 / 1e11))  # ring over 2
+    assert medha.a2a_s == helix.a2a_s and medha.kv_s == helix.kv_s
+    assert pm.Layout(4, 2, "medha").name() == "KVP2xTP2 (Medha)"
+
+
+def test_dp_attention_ep_baseline():
+    """DP attention + EP over 4 GPUs, batch 8: each GPU attends 2 requests with all K heads."""
+    moe = pm.Model("moe", 2, 64, 8, 2, 8, 16, 128, 1000, experts=8, experts_per_token=2, expert_ffn=32, shared_experts=1, dense_layers=1)
+    s = pm.step(moe, HW, pm.Layout(4, 1, "dp-ep"), 1000, 8, "bf16", "bf16")
+    assert s.kv_s == pytest.approx(2 * (2 * 1000 * 2 * 16 * 2) / 1e12)  # 2 layers x 2 requests x K heads
+    # one MoE layer: dispatch + combine of 2 tokens x 2 experts x [64] bf16, 3/4 of it off the GPU
+    assert s.a2a_s == pytest.approx(2 * (1e-6 + 2 * 2 * 64 * 2 * 3 / 4 / 1e11))
+    assert s.ar_s == 0.0 and s.max_batch % 4 == 0 and s.max_batch > 0
+    assert [lay.kind for lay in pm.layouts(moe, 4, baselines=True)] == ["tp", "helix", "medha", "helix", "medha", "dp-ep"]
+
+
+def test_frontier_ratios_by_hand():
+    lay = pm.Layout(1, 1)
+    helix = [pm.Step(lay, 1, 1e-3, 0, 0, 0, 0, 9), pm.Step(lay, 4, 2e-3, 0, 0, 0, 0, 9)]  # 1000 / 500 tok/s/user
+    base = [pm.Step(lay, 1, 2e-3, 0, 0, 0, 0, 9)]  # 500 tok/s/user, 500 tok/s/GPU
+    r = pm.frontier_ratios(helix, base)
+    assert r["interactivity"] == pytest.approx(2.0)
+    assert r["throughput"] == pytest.approx(4.0)  # 2000 against 500 at 500 tok/s/user
+    assert r["batch"] == pytest.approx(4.0)
+
+
+def test_paper_cli(capsys):
+    assert pm.main(["--paper"]) == 0
+    out = capsys.readouterr().out
+    assert "Llama-3.1-405B" in out and "DeepSeek-R1" in out and "32.00x" in out and "tp*" in out

@@ -4,7 +4,7 @@
         --context 1048576 --batch 1,8,64 --dtype fp4
     python -m sglang_helix.perf_model --model path/to/config.json --hw h100 --gpus 8 --context 131072
     python -m sglang_helix.perf_model --model deepseek-r1 --hw gb200-nvl72 --gpus 64 \\
-        --context 1048576 --pareto pareto.svg
+        --context 1048576 --pareto pareto.png
     python -m sglang_helix.perf_model --model llama-3.3-70b --hw h200 --gpus 8 --context 262144 \\
         --recommend latency --target 50
 
@@ -177,29 +177,54 @@ def model_from_config(path: str) -> Model:
 
 @dataclass(frozen=True)
 class Layout:
-    """N GPUs: attention plain TP (kvp 1) or Helix KVP x TPA; the FFN (dense, or every routed
-    expert sharded) TP over all N. Expert parallelism (TPF x EP) is not modeled: its token
-    dispatch traffic and expert load imbalance need a routing model this one does not have."""
+    """N GPUs and how attention and the FFN are split over them. ``family``:
+
+    - ``"tp"`` (``kvp`` 1): plain TP N for everything; KV heads replicated once N > K.
+    - ``"helix"``: attention KVP x TPA (KV sharded along the sequence over KVP), then o_proj and
+      the FFN TP over all N (the FFN of an MoE: every routed expert sharded over N; under uniform
+      routing that reads the same expert bytes per GPU as any TPF x EP grid, the split only
+      changes the FFN's collective, which this model takes as TP's all-reduce).
+    - ``"medha"``: the paper's "vanilla KVP" baseline: attention as Helix, but o_proj and the FFN
+      TP over the TPA GPUs only (replicated over KVP), its exchange not overlapped.
+    - ``"dp-ep"``: the paper's MoE baseline: data-parallel attention (each GPU serves B/N requests
+      with all heads and its own KV) and expert-parallel routed experts over N (token dispatch and
+      combine all-to-alls; shared experts and dense layers replicated).
+    """
 
     n: int
-    kvp: int  # 1: plain TP
+    kvp: int  # 1: plain TP (or dp-ep)
+    family: str = ""  # "" = "tp" when kvp == 1 else "helix"
+
+    @property
+    def kind(self) -> str:
+        return self.family or ("tp" if self.kvp == 1 else "helix")
 
     @property
     def tpa(self) -> int:
         return self.n // self.kvp
 
     def name(self) -> str:
-        return f"TP{self.n}" if self.kvp == 1 else f"Helix KVP{self.kvp}xTPA{self.tpa}"
+        return {
+            "tp": f"TP{self.n}",
+            "helix": f"Helix KVP{self.kvp}xTPA{self.tpa}",
+            "medha": f"KVP{self.kvp}xTP{self.tpa} (Medha)",
+            "dp-ep": f"DP{self.n} attn + EP{self.n}",
+        }[self.kind]
 
 
-def layouts(model: Model, n: int) -> List[Layout]:
-    """Plain TP and every Helix KVP x TPA = n whose TPA divides K (so TPA <= K)."""
+def layouts(model: Model, n: int, baselines: bool = False) -> List[Layout]:
+    """Plain TP and every Helix KVP x TPA = n whose TPA divides K (so TPA <= K); with
+    ``baselines``, the paper's other families too (Medha-style KVP x TP; DP attention + EP for MoE)."""
     out = []
     for kvp in [d for d in range(1, n + 1) if n % d == 0]:
         tpa = n // kvp
         if kvp > 1 and (model.kv_heads % tpa or model.q_heads % n):
             continue
         out.append(Layout(n, kvp))
+        if baselines and kvp > 1:
+            out.append(Layout(n, kvp, "medha"))
+    if baselines and model.moe:
+        out.append(Layout(n, 1, "dp-ep"))
     return out
 
 
@@ -229,9 +254,11 @@ class Step:
 
 def kv_heads_per_gpu(model: Model, layout: Layout) -> float:
     """KV heads one GPU stores for its tokens: plain TP max(1, K/N) (replicated once N > K),
-    Helix K/TPA. MLA: the one latent head, replicated on every attention rank."""
+    Helix / Medha K/TPA, DP attention K. MLA: the one latent head, replicated on every attention rank."""
     if model.mla:
         return 1.0
+    if layout.kind == "dp-ep":
+        return float(model.kv_heads)
     if layout.kvp == 1:
         return max(1.0, model.kv_heads / layout.n)
     return model.kv_heads / layout.tpa
@@ -248,58 +275,120 @@ def expected_distinct_experts(model: Model, batch: int) -> float:
     return model.experts * (1.0 - (1.0 - model.experts_per_token / model.experts) ** batch)
 
 
+def _roofline(bytes_: float, flops: float, hw: Hardware, peak: float) -> float:
+    return max(bytes_ / hw.hbm_bytes_s, flops / peak)
+
+
 def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w_dtype: str, kv_dtype: str, act_bytes: float = 2.0) -> Step:
     """One decode step of ``batch`` requests at ``context`` tokens on ``layout``: seconds per part."""
-    n, kvp, tpa = layout.n, layout.kvp, layout.tpa
+    n, kvp, tpa, kind = layout.n, layout.kvp, layout.tpa, layout.kind
     wb, kvb = DTYPE_BYTES[w_dtype], DTYPE_BYTES[kv_dtype]
     peak = hw.flops.get(w_dtype) or hw.flops["bf16"]
     h, dv = model.hidden, model.dv
     tokens = tokens_per_gpu(context, layout)
+    dp = kind == "dp-ep"
+    attn_batch = math.ceil(batch / n) if dp else batch  # requests whose attention one GPU runs
 
     # Attention over the KV: each GPU reads its tokens' KV, for its KV heads, once per request.
     kv_per_token_layer = kv_heads_per_gpu(model, layout) * model.kv_dim * kvb
-    kv_bytes = batch * tokens * kv_per_token_layer  # per layer
-    # Query heads one GPU attends with: plain TP Q/N, Helix Q/TPA (all of its TPA slice). MLA
-    # decode attends in the latent space: scores over latent + rope, values over the latent.
-    q_local = model.q_heads / (n if kvp == 1 else tpa)
+    kv_bytes = attn_batch * tokens * kv_per_token_layer  # per layer
+    # Query heads one GPU attends with: plain TP Q/N, Helix / Medha Q/TPA (all of its TPA slice),
+    # DP all Q. MLA decode attends in the latent space: scores over latent + rope, values over the latent.
+    q_local = model.q_heads / {"tp": n, "helix": tpa, "medha": tpa, "dp-ep": 1}[kind]
     if model.mla:
         qk_dim, v_dim = model.kv_dim, model.kv_dim - model.mla_rope_dim
     else:
         qk_dim, v_dim = model.head_dim, dv
-    attn_flops = 2.0 * batch * tokens * q_local * (qk_dim + v_dim)
-    kv_s = max(kv_bytes / hw.hbm_bytes_s, attn_flops / peak)
+    attn_flops = 2.0 * attn_batch * tokens * q_local * (qk_dim + v_dim)
+    kv_s = _roofline(kv_bytes, attn_flops, hw, peak)
 
-    # Weights one GPU reads per layer: the pre-attention projections over TPA (replicated over
-    # KVP; plain TP: over N), o_proj over N; the FFN over N (MoE: the experts the batch touches,
-    # and the shared ones).
-    attn_w = model.qkv_params() / (n if kvp == 1 else tpa) + model.o_params() / n
+    # Weights one GPU reads per layer (and the GEMM FLOPs, 2 x tokens x parameters): the
+    # pre-attention projections over TPA (replicated over KVP; plain TP: over N; DP: whole),
+    # o_proj over N (Medha: TPA; DP: whole); the FFN over N (Medha: TPA; MoE: the experts the
+    # batch touches, and the shared ones; dp-ep: routed experts over N, the rest whole).
+    ffn_split = {"tp": n, "helix": n, "medha": tpa, "dp-ep": 1}[kind]
+    attn_w = model.qkv_params() / {"tp": n, "helix": tpa, "medha": tpa, "dp-ep": 1}[kind] + model.o_params() / ffn_split
     moe_layers = model.layers - model.dense_layers if model.moe else 0
     dense_layers = model.layers - moe_layers
-    dense_w = 3.0 * h * model.ffn / n
-    expert_w = 3.0 * h * model.expert_ffn / n  # one expert's share on a GPU
-    moe_w = (expected_distinct_experts(model, batch) + model.shared_experts) * expert_w
-    # GEMM FLOPs per GPU: 2 x tokens x the parameters each token goes through on it.
-    moe_active = (model.experts_per_token + model.shared_experts) * expert_w
-    w_dense_s = max((attn_w + dense_w) * wb / hw.hbm_bytes_s, 2.0 * batch * (attn_w + dense_w) / peak)
-    w_moe_s = max((attn_w + moe_w) * wb / hw.hbm_bytes_s, 2.0 * batch * (attn_w + moe_active) / peak)
-    lm_head = model.vocab * h / n
-    lm_head_s = max(lm_head * wb / hw.hbm_bytes_s, 2.0 * batch * lm_head / peak)
+    dense_w = 3.0 * h * model.ffn / ffn_split
+    one_expert = 3.0 * h * model.expert_ffn
+    routed_split = n if dp else ffn_split
+    routed_w = expected_distinct_experts(model, batch) * one_expert / routed_split
+    shared_w = model.shared_experts * one_expert / ffn_split
+    w_dense_s = _roofline((attn_w + dense_w) * wb, 2.0 * attn_batch * (attn_w + dense_w), hw, peak)
+    moe_flops = 2.0 * (attn_batch * (attn_w + shared_w) + batch * model.experts_per_token * one_expert / routed_split)
+    w_moe_s = _roofline((attn_w + routed_w + shared_w) * wb, moe_flops, hw, peak)
+    lm_head = model.vocab * h / ffn_split
+    lm_head_s = _roofline(lm_head * wb, 2.0 * attn_batch * lm_head, hw, peak)
     weights_s = dense_layers * w_dense_s + moe_layers * w_moe_s + lm_head_s
 
-    # Communication per layer. Helix: one All-to-All over the KVP group; a GPU sends (KVP-1)/KVP
-    # of its partials [B, Q/TPA, Dv] + fp32 LSE. Both layouts: a ring all-reduce of [B, H] over N
-    # after o_proj and after the FFN.
+    # Communication per layer. Helix / Medha: one All-to-All over the KVP group; a GPU sends
+    # (KVP-1)/KVP of its partials [B, Q/TPA, Dv] + fp32 LSE. TP / Helix: a ring all-reduce of
+    # [B, H] over N after o_proj and after the FFN (Medha: over TPA). dp-ep: per MoE layer, the
+    # token dispatch and combine all-to-alls, B/N tokens x k experts x [H] each.
     a2a_bytes = batch * (model.q_heads / tpa) * (dv * act_bytes + 4) * (kvp - 1) / kvp
     a2a_s = model.layers * (hw.link_latency_s + a2a_bytes / hw.link_bytes_s) if kvp > 1 else 0.0
-    ar_bytes = 2.0 * (n - 1) / n * batch * h * act_bytes
-    ar_s = model.layers * 2 * (hw.link_latency_s + ar_bytes / hw.link_bytes_s) if n > 1 else 0.0
+    ar_n = ffn_split
+    ar_bytes = 2.0 * (ar_n - 1) / ar_n * batch * h * act_bytes if ar_n > 1 else 0.0
+    ar_s = model.layers * 2 * (hw.link_latency_s + ar_bytes / hw.link_bytes_s) if ar_n > 1 else 0.0
+    if dp and n > 1:
+        ep_bytes = attn_batch * model.experts_per_token * h * act_bytes * (n - 1) / n
+        a2a_s = moe_layers * 2 * (hw.link_latency_s + ep_bytes / hw.link_bytes_s)
 
     # Capacity: every weight resident (all experts), embeddings and lm_head; KV in what is left.
-    resident = dense_layers * (attn_w + dense_w) + moe_layers * (attn_w + (model.experts + model.shared_experts) * expert_w)
+    all_experts = (model.experts / routed_split + model.shared_experts / ffn_split) * one_expert
+    resident = dense_layers * (attn_w + dense_w) + moe_layers * (attn_w + all_experts)
     resident = (resident + 2 * lm_head) * wb
     kv_request = model.layers * kv_per_token_layer * tokens
-    max_batch = max(0, int((0.9 * hw.hbm_bytes - resident) // kv_request))
+    per_gpu = max(0, int((0.9 * hw.hbm_bytes - resident) // kv_request))
+    max_batch = per_gpu * n if dp else per_gpu  # DP: each GPU holds the KV of its own requests
     return Step(layout, batch, model.layers * kv_s, weights_s, a2a_s, ar_s, kv_request, max_batch)
+
+
+# --------------------------------------------------------------------------------------------
+# Communication per layer and decode step, per GPU: plain TP, Helix, upstream --dcp-size (MHA).
+# --------------------------------------------------------------------------------------------
+
+
+def comm_per_layer(model: Model, n: int, scheme: str, size: int, batch: int = 1, act_bytes: float = 2.0) -> Dict[str, float]:
+    """Bytes one GPU sends per attention layer and decode step, by collective (ring algorithms:
+    an all-gather sends (G-1) x its input, an all-reduce 2(G-1)/G x its buffer).
+
+    ``scheme``: ``"tp"`` (plain ``--tp n``; ``size`` ignored), ``"helix"`` (``--helix-kvp-size
+    size``) or ``"dcp"`` (upstream ``--dcp-size size``, its MHA decode path, Triton backend:
+    sglang 0.5.23 ``triton_backend.py`` gathers Q over the DCP group, gathers the fp32 LSE, and
+    all-reduces the fp32 outputs of all gathered heads, ``srt/layers/dcp/comm.py``). All three
+    keep the TP all-reduces after o_proj and after the FFN, of ``[B, hidden]``.
+    """
+    h, d, dv, q = model.hidden, model.head_dim, model.dv, model.q_heads
+    out = {"all-reduce o_proj + FFN": 2 * 2.0 * (n - 1) / n * batch * h * act_bytes if n > 1 else 0.0}
+    if scheme == "helix" and size > 1:  # one All-to-All of [KVP, B, Q/N, Dv + LSE]; (KVP-1)/KVP leaves
+        out["all-to-all partials + LSE"] = (size - 1) * batch * (q / n) * (dv * act_bytes + 4)
+    elif scheme == "dcp" and size > 1:
+        hq = q / n  # query heads per rank (DCP keeps attention TP at n; heads are gathered)
+        out["all-gather Q"] = (size - 1) * batch * hq * d * act_bytes
+        out["all-gather LSE (fp32)"] = (size - 1) * batch * size * hq * 4
+        out["all-reduce outputs (fp32)"] = 2.0 * (size - 1) / size * batch * size * hq * dv * 4
+    elif scheme not in ("tp", "helix", "dcp"):
+        raise ValueError(f"comm_per_layer: unknown scheme {scheme!r}")
+    return out
+
+
+def print_comm_table(model: Model, ns: List[int], batch: int = 1, act_bytes: float = 2.0, out=None) -> None:
+    out = out or sys.stdout
+    print(f"{model.name}: bytes one GPU sends per attention layer and decode step, batch {batch}, activations {act_bytes:g} B", file=out)
+    print(f"{'layout':<24} {'collectives':>11} {'attention extra':>16} {'total':>10}  by collective", file=out)
+    for n in ns:
+        rows = [("TP%d" % n, "tp", 1)]
+        rows += [(f"TP{n} Helix KVP{k}xTPA{n // k}", "helix", k) for k in range(2, n + 1)
+                 if n % k == 0 and model.kv_heads % (n // k) == 0 and model.q_heads % n == 0]  # fmt: skip
+        rows += [(f"TP{n} DCP{k} (upstream)", "dcp", k) for k in range(2, n + 1) if n % k == 0]
+        for name, scheme, size in rows:
+            c = comm_per_layer(model, n, scheme, size, batch, act_bytes)
+            extra = sum(v for k, v in c.items() if not k.startswith("all-reduce o_proj"))
+            parts = ", ".join(f"{k} {v / 1024:.2f} KiB" for k, v in c.items())
+            collectives = len(c) + 1  # the o_proj and FFN all-reduces are two
+            print(f"{name:<24} {collectives:>11} {extra / 1024:>12.2f} KiB {sum(c.values()) / 1024:>6.2f} KiB  {parts}", file=out)
 
 
 def sweep(model: Model, hw: Hardware, n: int, context: int, batches: List[int], w_dtype: str, kv_dtype: str) -> List[Step]:
@@ -332,6 +421,72 @@ def recommend(steps: List[Step], goal: str, target: float) -> Optional[Step]:
 
 
 # --------------------------------------------------------------------------------------------
+# The paper's headline ratios (arXiv 2507.07120 v1, section 3), under its stated assumptions:
+# GB200 NVL72, FP4 weights, KV and arithmetic, 1M-token context, 1 to 64 GPUs, the best of a
+# sweep over layouts and batch sizes. Its numbers are ratios of Pareto frontiers (tokens/s/user
+# against tokens/s/GPU): "max interactivity" compares the frontiers' highest tokens/s/user;
+# "throughput" the tokens/s/GPU at equal tokens/s/user ("up to": the best such gap).
+# Llama-405B is compared against TP sharding, DeepSeek-R1 against the best baseline (TP, DP
+# attention + EP, Medha-style KVP); pipeline parallelism never helps a per-token latency and is
+# left out here.
+# --------------------------------------------------------------------------------------------
+
+PAPER = {
+    "llama-3.1-405b": {"baseline": "tp", "interactivity": 1.13, "throughput": 4.0, "batch": 4.0},
+    "deepseek-r1": {"baseline": "best", "interactivity": 1.5, "throughput": 32.0, "batch": 32.0},
+}
+PAPER_GPUS = [1, 2, 4, 8, 16, 32, 64]
+PAPER_BATCHES = [2**i for i in range(13)]
+
+
+def frontier_ratios(helix: List[Step], base: List[Step]) -> Dict[str, float]:
+    """Max tokens/s/user ratio; the largest tokens/s/GPU ratio at equal tokens/s/user (for each
+    Helix frontier point, the best baseline point at least as interactive); and the same for the
+    batch (concurrent users, whatever the GPU count: the paper equates the two)."""
+    inter = max(s.tok_s_user for s in helix) / max(s.tok_s_user for s in base)
+    best, batch = 0.0, 0.0
+    for h in helix:
+        rivals = [b for b in base if b.tok_s_user >= h.tok_s_user]
+        if rivals:
+            best = max(best, h.tok_s_gpu / max(b.tok_s_gpu for b in rivals))
+            batch = max(batch, h.batch / max(b.batch for b in rivals))
+    return {"interactivity": inter, "throughput": best, "batch": batch}
+
+
+def paper_ratios(key: str, latency_s: float = ALPHA_S, context: int = 1 << 20, baseline: Optional[str] = None) -> Dict[str, float]:
+    """Helix's frontier against TP's (``baseline`` "tp") or the best baseline's ("best"; default:
+    what the paper compares that model with)."""
+    model, hw = MODELS[key], HARDWARE["gb200-nvl72"]
+    hw = Hardware(hw.name, hw.hbm_bytes_s, hw.hbm_bytes, hw.link_bytes_s, hw.flops, hw.domain, latency_s)
+    steps = []
+    for n in PAPER_GPUS:
+        for lay in layouts(model, n, baselines=True):
+            for b in PAPER_BATCHES:
+                s = step(model, hw, lay, context, b, "fp4", "fp4", act_bytes=0.5)
+                if b <= s.max_batch:
+                    steps.append(s)
+    helix = [s for s in steps if s.layout.kind == "helix"]
+    baseline = baseline or PAPER[key]["baseline"]
+    base = [s for s in steps if s.layout.kind != "helix" and (baseline == "best" or s.layout.kind == "tp")]
+    return frontier_ratios(helix, base)
+
+
+def print_paper(out=None) -> None:
+    out = out or sys.stdout
+    alphas = (3e-6, 10e-6, 30e-6)
+    print("Helix against a baseline, GB200 NVL72, FP4, 1M context, 1-64 GPUs (paper: arXiv 2507.07120 v1, section 3);", file=out)
+    print("the model's ratio at three per-collective latencies a (its one free parameter); * = what the paper compares", file=out)
+    print(f"{'model':<16} {'metric':<14} {'baseline':<9} {'paper':>6} " + " ".join(f"{f'a={a * 1e6:g}us':>9}" for a in alphas), file=out)
+    for key, claim in PAPER.items():
+        for baseline in ("tp", "best"):
+            got = [paper_ratios(key, a, baseline=baseline) for a in alphas]
+            for metric in ("interactivity", "throughput", "batch"):
+                paper = f"{claim[metric]:>5.2f}x" if baseline == claim["baseline"] else f"{'-':>6}"
+                mark = "*" if baseline == claim["baseline"] else " "
+                print(f"{MODELS[key].name:<16} {metric:<14} {baseline + mark:<9} {paper} " + " ".join(f"{g[metric]:>8.2f}x" for g in got), file=out)
+
+
+# --------------------------------------------------------------------------------------------
 # Output.
 # --------------------------------------------------------------------------------------------
 
@@ -348,31 +503,14 @@ def print_table(steps: List[Step], out=None) -> None:
         )
 
 
-def write_svg(steps: List[Step], path: str, title: str) -> None:
-    """tokens/s/user (x) against tokens/s/GPU (y), log axes, one colour per attention layout."""
-    w, h, pad = 720, 480, 60
-    xs = [math.log10(s.tok_s_user) for s in steps]
-    ys = [math.log10(max(s.tok_s_gpu, 1e-9)) for s in steps]
-    x0, x1, y0, y1 = min(xs), max(xs) + 1e-9, min(ys), max(ys) + 1e-9
-    px = lambda x: pad + (x - x0) / (x1 - x0) * (w - 2 * pad)  # noqa: E731
-    py = lambda y: h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad)  # noqa: E731
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
-    names = sorted({s.layout.name() for s in steps})
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
-             f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">tokens/s/user (log)</text>',
-             f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">tokens/s/GPU (log)</text>',
-             f'<rect x="{pad}" y="{pad}" width="{w - 2 * pad}" height="{h - 2 * pad}" fill="none" stroke="#888"/>']  # fmt: skip
-    for i, name in enumerate(names):
-        c = colors[i % len(colors)]
-        pts = sorted((s for s in steps if s.layout.name() == name), key=lambda s: s.batch)
-        path_d = " ".join(f"{'M' if j == 0 else 'L'}{px(math.log10(s.tok_s_user)):.1f},{py(math.log10(max(s.tok_s_gpu, 1e-9))):.1f}" for j, s in enumerate(pts))
-        parts.append(f'<path d="{path_d}" fill="none" stroke="{c}"/>')
-        parts += [f'<circle cx="{px(math.log10(s.tok_s_user)):.1f}" cy="{py(math.log10(max(s.tok_s_gpu, 1e-9))):.1f}" r="2.5" fill="{c}"/>' for s in pts]
-        parts.append(f'<text x="{w - pad + 5 - 200}" y="{pad + 15 + 14 * i}" fill="{c}">{name}</text>')
-    parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
+def write_pareto_png(steps: List[Step], path: str, title: str) -> None:
+    """tokens/s/user (x) against tokens/s/GPU (y), log axes, one line per layout over the batch."""
+    from sglang_helix.plot import line_plot_png
+
+    series = {}
+    for s in sorted(steps, key=lambda s: s.batch):
+        series.setdefault(s.layout.name(), []).append((s.tok_s_user, max(s.tok_s_gpu, 1e-9)))
+    line_plot_png(series, path, title, "tokens/s/user", "tokens/s/GPU", logx=True, logy=True)
 
 
 def _ints(s: str) -> List[int]:
@@ -381,19 +519,30 @@ def _ints(s: str) -> List[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or a config.json path")
+    p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}) or a config.json path")
     p.add_argument("--hw", default="h100", choices=list(HARDWARE))
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
     p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES), help="weights (and compute)")
     p.add_argument("--kv-dtype", default=None, choices=list(DTYPE_BYTES), help="KV cache (default: --dtype)")
-    p.add_argument("--pareto", help="write the tokens/s/user vs tokens/s/GPU plot here (.svg)")
+    p.add_argument("--pareto", help="write the tokens/s/user vs tokens/s/GPU plot here (PNG)")
+    p.add_argument("--paper", action="store_true", help="the paper's headline ratios under its assumptions, and the model's")
+    p.add_argument("--comm", type=_ints, help="print the per-layer communication table at these N (e.g. 4,8) and exit")
     p.add_argument("--recommend", choices=["latency", "throughput"])
     p.add_argument("--target", type=float, help="tokens/s/user (latency) or tokens/s/GPU (throughput)")
     args = p.parse_args(argv)
+    if args.paper:
+        print_paper()
+        return 0
+    if not args.model:
+        p.error("--model is required (a preset or a config.json)")
     model = MODELS[args.model] if args.model in MODELS else model_from_config(args.model)
     hw = HARDWARE[args.hw]
+    if args.comm:
+        for b in args.batch if args.batch != p.get_default("batch") else [1]:
+            print_comm_table(model, args.comm, b)
+        return 0
     if args.gpus > hw.domain:
         print(f"note: {args.gpus} GPUs exceed one {hw.name} NVLink domain ({hw.domain}); the model assumes one", file=sys.stderr)
     steps = sweep(model, hw, args.gpus, args.context, args.batch, args.dtype, args.kv_dtype or args.dtype)
@@ -401,7 +550,7 @@ def main(argv=None) -> int:
           f"collective latency {hw.link_latency_s * 1e6:.0f} us (assumed)")  # fmt: skip
     print_table(steps)
     if args.pareto:
-        write_svg(pareto(steps) if len(steps) > 50 else steps, args.pareto, f"{model.name}, {args.gpus} x {hw.name}, S={args.context}")
+        write_pareto_png(pareto(steps) if len(steps) > 50 else steps, args.pareto, f"{model.name}, {args.gpus} x {hw.name}, S={args.context}")
         print(f"wrote {args.pareto}")
     if args.recommend:
         if args.target is None:
