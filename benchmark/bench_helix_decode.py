@@ -9,10 +9,13 @@ Against servers you started (a GPU node; one server at a time or several on diff
     python benchmark/bench_helix_decode.py --base-url http://127.0.0.1:30000 \
         --base-url http://127.0.0.1:30001 --context 16384,65536,131072 --batch 1,8
 
-On the CPU harness (tiny random Llama written on the fly, servers launched and stopped for you):
+On the CPU harness (tiny random Llamas written on the fly, servers launched and stopped for you):
 
-    .venv/bin/python benchmark/bench_helix_decode.py --cpu --tp 4 --kvp 1,2,4 \
-        --kv-heads 2 --context 512,2048,8192
+    .venv/bin/python benchmark/bench_helix_decode.py --cpu --tp 4 --kvp 1,2,4 --kv-heads 1,4 \
+        --context 1024,4096,16384,32768 --batch 1,8 --batch-max-context 4096 \
+        --csv cpu.csv --png cpu.png
+
+(one model per K, same Q = 16 and head dim 128; a --kvp runs where TPA = tp/kvp divides K).
 
 For every (server, context S, batch B) it sends B concurrent streaming /generate requests of S
 random prompt tokens (distinct per request: no prefix sharing) and T greedy new tokens (EOS
@@ -26,12 +29,15 @@ next to what the layout implies per rank and decode step, from the model's confi
 
     kv_heads/rank   plain TP max(1, K/N) (KV heads replicated once N > K), Helix K/TPA
     tokens/rank     plain TP S, Helix ~S/KVP (round-robin chunks)
-    kv_read_MiB     KV bytes one rank reads per decode step for one request, all layers
+    kv_read_MiB     KV bytes one rank reads per decode step, the whole batch, all layers
+    a2a_KiB_layer   bytes one rank hands to the layer's All-to-All per step, B * (Q/TPA) * (D * bytes + 4)
     capacity        the global token capacity the server reports (max_total_num_tokens)
 
-Timings on the CPU harness are dominated by fixed per-step overhead (~0.25 s, see
-docs/cpu-harness.md) and only say that Helix is not slower; the footprint columns are exact.
-Nothing here runs in CI; speed and memory targets live in benchmark/README.md.
+Then, per model and batch, what the KV bytes predict: plain TP's TPOT at the same context minus
+the KV bytes Helix does not read, priced at plain TP's marginal cost per MiB (between its two
+largest contexts), and the plain/Helix TPOT ratio measured against the predicted one. Progress goes to stderr; --json, --csv and --png (TPOT vs context,
+log axes) write the results. Nothing here runs in CI; the targets and results are in
+benchmark/README.md.
 """
 
 from __future__ import annotations
@@ -113,6 +119,7 @@ def stream_generate(base_url: str, input_ids: list[int], new_tokens: int) -> tup
 @dataclass
 class Row:
     layout: str
+    kv_heads: int | None  # the model's K
     context: int
     batch: int
     ttft_s: float
@@ -120,12 +127,13 @@ class Row:
     tok_s: float
     kv_heads_per_rank: float | None
     tokens_per_rank: int | None
-    kv_read_mib: float | None
+    kv_read_mib: float | None  # one rank, one decode step, the whole batch, all layers
+    a2a_kib_layer: float | None  # bytes one rank hands to the All-to-All per layer and step (KiB)
     capacity: int
 
 
 def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
-    """(KV heads per rank, tokens per rank, MiB of KV one rank reads per decode step)."""
+    """(KV heads per rank, tokens per rank, MiB of KV one rank reads per decode step and request)."""
     cfg = layout.config
     if not cfg:
         return None, None, None
@@ -156,26 +164,75 @@ def measure(layout: Layout, context: int, batch: int, new_tokens: int, dtype_byt
             tpot.append((t_last - t_first) / (n_last - n_first))
     tpot_s = statistics.median(tpot) if tpot else float("nan")
     heads, tokens, mib = kv_footprint(layout, context, dtype_bytes)
+    cfg = layout.config or {}
     return Row(
-        layout.name, context, batch, round(statistics.median(ttft), 4), round(tpot_s * 1e3, 3),
-        round(batch / tpot_s, 2), heads, tokens, None if mib is None else round(mib, 3), layout.capacity,
+        layout.name, cfg.get("num_key_value_heads"), context, batch, round(statistics.median(ttft), 4),
+        round(tpot_s * 1e3, 3), round(batch / tpot_s, 2), heads, tokens,
+        None if mib is None else round(batch * mib, 3), a2a_kib(layout, batch, dtype_bytes), layout.capacity,
     )  # fmt: skip
 
 
-def bench_server(base_url: str, args) -> list[Row]:
+def a2a_kib(layout: Layout, batch: int, dtype_bytes: int) -> float | None:
+    """KiB one rank hands to the layer's All-to-All in a decode step: B * (Q/TPA) * (D * bytes + 4)."""
+    cfg = layout.config
+    if not cfg:
+        return None
+    if layout.kvp == 1:
+        return 0.0
+    import torch
+
+    from sglang.srt.layers.helix.comm import helix_a2a_bytes
+
+    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads = cfg["num_attention_heads"] // layout.tpa
+    return helix_a2a_bytes(batch, heads, head_dim, dtype, layout.kvp) / 1024
+
+
+class Progress:
+    """``[i/n] what  (elapsed, ETA)`` on stderr, one line per measurement."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.done * (self.total - self.done)
+        print(f"[{self.done}/{self.total}] {what}  ({elapsed:.0f}s elapsed, ~{eta:.0f}s left)", file=sys.stderr, flush=True)
+
+
+def cases(args) -> list[tuple[int, int]]:
+    """(context, batch) pairs: batches above 1 only up to ``--batch-max-context``."""
+    return [(c, b) for c in args.context for b in args.batch if b == 1 or c <= args.batch_max_context]
+
+
+def bench_server(base_url: str, args, progress: Progress) -> list[Row]:
     layout = read_layout(base_url, args.chunk)
     print(f"# {layout.name} at {base_url}: tpa {layout.tpa}, capacity {layout.capacity} tokens", file=sys.stderr)
     stream_generate(base_url, [11, 12, 13, 14], 4)  # warm-up
     rows = []
-    for context in args.context:
-        for batch in args.batch:
-            row = measure(layout, context, batch, args.new_tokens, args.dtype_bytes, args.seed)
-            print(f"#   S={context} B={batch}: ttft {row.ttft_s}s, tpot {row.tpot_ms}ms", file=sys.stderr)
-            rows.append(row)
+    for context, batch in cases(args):
+        row = measure(layout, context, batch, args.new_tokens, args.dtype_bytes, args.seed)
+        progress.step(f"{layout.name} K={row.kv_heads} S={context} B={batch}: ttft {row.ttft_s}s, tpot {row.tpot_ms}ms")
+        rows.append(row)
     return rows
 
 
 # -- the CPU harness -----------------------------------------------------------------------------
+
+
+def cpu_layouts(args) -> list[tuple[int, int]]:
+    """(K, KVP) pairs to launch: for each model, plain TP and every --kvp whose TPA divides K."""
+    out = []
+    for k in args.kv_heads:
+        for kvp in args.kvp:
+            tpa = args.tp // kvp if kvp >= 1 and args.tp % kvp == 0 else 0
+            if kvp == 1 or (tpa and k % tpa == 0):  # the rules: docs/helix-flags.md
+                out.append((k, kvp))
+            else:
+                print(f"# skip K={k} --helix-kvp-size {kvp}: TPA = {args.tp}/{kvp} must divide K", file=sys.stderr)
+    return out
 
 
 def bench_cpu(args) -> list[Row]:
@@ -183,19 +240,86 @@ def bench_cpu(args) -> list[Row]:
     from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
 
     max_context = max(args.context) + args.new_tokens + 16
-    spec = TinyModelSpec(
-        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_layers=args.layers,
-        max_position_embeddings=max(8192, max_context),
-    )  # fmt: skip
-    model = write_tiny_model(os.path.join(args.work_dir, "model"), spec)
+    need = max(b * (c + args.new_tokens + 16) for c, b in cases(args))
+    launches = cpu_layouts(args)
+    progress = Progress(len(launches) * len(cases(args)))
     rows = []
-    for kvp in args.kvp:
+    for k, kvp in launches:
+        spec = TinyModelSpec(
+            num_heads=args.heads, num_kv_heads=k, head_dim=args.head_dim, num_layers=args.layers,
+            intermediate_size=args.intermediate_size, max_position_embeddings=max(8192, max_context),
+        )  # fmt: skip
+        model = write_tiny_model(os.path.join(args.work_dir, f"model-k{k}"), spec)
         flags = ["--tp", str(args.tp), "--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(args.chunk)]
-        flags += ["--context-length", str(max_context), "--max-total-tokens", str(args.max_total_tokens)]
+        flags += ["--context-length", str(max_context), "--max-total-tokens", str(max(args.max_total_tokens, need))]
         flags += ["--disable-radix-cache"]  # decode timing: no prefix reuse in either layout
+        # One prefill chunk per prompt: upstream's torch_native extend re-attends the whole
+        # sequence at every chunk, which makes plain TP's 32K prefill take many minutes at 2K chunks.
+        chunk_tokens = args.chunked_prefill_size or max(need, 16384)
+        flags += ["--chunked-prefill-size", str(chunk_tokens), "--max-prefill-tokens", str(chunk_tokens)]
+        flags += ["--watchdog-timeout", "3600"]  # a 32K-token prefill forward takes minutes on 2 cores
         with CpuServer(model, flags, attention_backend=args.attention_backend, log_dir=args.work_dir) as srv:
-            rows += bench_server(srv.base_url, args)
+            rows += bench_server(srv.base_url, args, progress)
     return rows
+
+
+# -- what the KV bytes predict -------------------------------------------------------------------
+
+
+def kv_model(rows: list[Row]) -> list[dict]:
+    """What the KV bytes alone predict, per model (K) and batch: plain TP's step at the same
+    context minus the KV Helix does not read, priced at plain TP's marginal cost per MiB (the
+    slope between its two largest contexts, where the KV no longer fits in the CPU's caches):
+
+        predicted_helix(S) = plain(S) - b * (kv_plain(S) - kv_helix(S)),
+        b = (plain(S2) - plain(S1)) / (kv_plain(S2) - kv_plain(S1))
+
+    It leaves out everything else Helix changes: its All-to-All and merge, the QKV weights it
+    replicates over KVP, and a different attention kernel (on the CPU harness: the Helix torch
+    path against upstream's SDPA) with its own cost per byte.
+    """
+    out = []
+    for k in sorted({r.kv_heads for r in rows if r.kv_heads is not None}):
+        for batch in sorted({r.batch for r in rows}):
+            plain = {r.context: r for r in rows if r.kv_heads == k and r.batch == batch and "kvp" not in r.layout}
+            if len(plain) < 2 or any(r.kv_read_mib is None for r in plain.values()):
+                continue
+            s1, s2 = sorted(plain)[-2:]
+            b = (plain[s2].tpot_ms - plain[s1].tpot_ms) / (plain[s2].kv_read_mib - plain[s1].kv_read_mib)
+            for r in rows:
+                if r.kv_heads != k or r.batch != batch or "kvp" not in r.layout or r.context not in plain:
+                    continue
+                base = plain[r.context]
+                predicted = base.tpot_ms - b * (base.kv_read_mib - r.kv_read_mib)
+                measured_ratio = base.tpot_ms / r.tpot_ms
+                predicted_ratio = base.tpot_ms / predicted
+                out.append(dict(
+                    kv_heads=k, batch=batch, layout=r.layout, context=r.context, ms_per_mib=round(b, 3),
+                    plain_tpot_ms=base.tpot_ms, tpot_ms=r.tpot_ms, predicted_tpot_ms=round(predicted, 2),
+                    measured_ratio=round(measured_ratio, 2), predicted_ratio=round(predicted_ratio, 2),
+                    within_25pct=abs(measured_ratio / predicted_ratio - 1) <= 0.25,
+                ))  # fmt: skip
+    return out
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_png(rows: list[Row], path: str, title: str) -> None:
+    """TPOT against context, one line per (model K, layout, batch), log axes."""
+    from sglang_helix.plot import line_plot_png
+
+    series = {}
+    for r in rows:
+        name = f"K={r.kv_heads} {r.layout} B={r.batch}"
+        series.setdefault(name, []).append((r.context, r.tpot_ms))
+    line_plot_png(series, path, title, "context (tokens)", "TPOT (ms)", logx=True, logy=True)
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -205,57 +329,76 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def print_table(rows: list[Row]) -> None:
-    cols = ["layout", "context", "batch", "ttft_s", "tpot_ms", "tok_s", "kv_heads_per_rank", "tokens_per_rank", "kv_read_mib", "capacity"]
+def print_table(rows: list[dict]) -> None:
+    cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    for r in rows:
-        d = asdict(r)
+    for d in rows:
         print("| " + " | ".join("-" if d[c] is None else str(d[c]) for c in cols) + " |")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", action="append", default=[], help="a running server (repeatable)")
+    p.add_argument("--from-json", action="append", default=[], help="report rows saved by --json (repeatable; no measuring)")
     p.add_argument("--context", type=_ints, default=[1024, 4096], help="prompt lengths, comma-separated")
     p.add_argument("--batch", type=_ints, default=[1], help="concurrent requests, comma-separated")
+    p.add_argument("--batch-max-context", type=int, default=1 << 30, help="run batches > 1 only up to this context")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--chunk", type=int, default=64, help="--helix-kvp-chunk-size of launched servers (read from running ones)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="KV element size (default: 4 with --cpu, else 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--csv", help="also write the rows here as CSV (and the KV-model rows next to it, *-model.csv)")
+    p.add_argument("--png", help="plot TPOT against context per layout here")
     cpu = p.add_argument_group("--cpu: launch tiny-model servers on the CPU harness")
     cpu.add_argument("--cpu", action="store_true")
     cpu.add_argument("--tp", type=int, default=4)
     cpu.add_argument("--kvp", type=_ints, default=[1, 2, 4], help="--helix-kvp-size values (1 = plain TP)")
-    cpu.add_argument("--heads", type=int, default=8)
-    cpu.add_argument("--kv-heads", type=int, default=2, help="K: --kvp values must keep TPA = tp/kvp <= K")
-    cpu.add_argument("--head-dim", type=int, default=64)
+    cpu.add_argument("--heads", type=int, default=16)
+    cpu.add_argument("--kv-heads", type=_ints, default=[1, 4], help="K of each model; a --kvp runs where TPA = tp/kvp divides K")
+    cpu.add_argument("--head-dim", type=int, default=128)
     cpu.add_argument("--layers", type=int, default=2)
+    cpu.add_argument("--intermediate-size", type=int, default=128)
+    cpu.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the largest batch of prompts in one chunk")
     cpu.add_argument("--attention-backend", default="torch_native", choices=["torch_native", "triton"])
-    cpu.add_argument("--max-total-tokens", type=int, default=65536)
+    cpu.add_argument("--max-total-tokens", type=int, default=65536, help="at least; raised to fit the largest batch")
     cpu.add_argument("--work-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "bench"))
     args = p.parse_args()
     if args.dtype_bytes is None:
         args.dtype_bytes = 4 if args.cpu else 2
-    if args.cpu == bool(args.base_url):
-        p.error("give either --cpu or one or more --base-url")
-    for kvp in [k for k in args.kvp if k != 1] if args.cpu else []:  # 1 = plain TP; the rules: docs/helix-flags.md
-        tpa = args.tp // kvp if kvp >= 1 and args.tp % kvp == 0 else 0
-        if not tpa or tpa > args.kv_heads or args.kv_heads % tpa:
-            p.error(f"--kvp {kvp} with --tp {args.tp} and --kv-heads {args.kv_heads}: KVP must divide --tp and "
-                    f"TPA = tp/kvp must divide the KV heads (for --kv-heads {args.kv_heads}: TPA in "
-                    f"{[t for t in range(1, args.kv_heads + 1) if args.kv_heads % t == 0]})")
+    if sum(map(bool, (args.cpu, args.base_url, args.from_json))) != 1:
+        p.error("give either --cpu, one or more --base-url, or one or more --from-json")
+    if args.cpu and not any(kvp > 1 for _, kvp in cpu_layouts(args)):
+        p.error(f"no --kvp in {args.kvp} runs with --tp {args.tp} and --kv-heads {args.kv_heads}: TPA = tp/kvp must divide K")
 
-    if args.cpu:
+    if args.from_json:
+        rows = []
+        for path in args.from_json:
+            with open(path) as f:
+                rows += [Row(**r) for r in json.load(f)["rows"]]
+    elif args.cpu:
         os.makedirs(args.work_dir, exist_ok=True)
         rows = bench_cpu(args)
     else:
-        rows = [r for url in args.base_url for r in bench_server(url.rstrip("/"), args)]
-    print_table(rows)
+        progress = Progress(len(args.base_url) * len(cases(args)))
+        rows = [r for url in args.base_url for r in bench_server(url.rstrip("/"), args, progress)]
+    table = [asdict(r) for r in rows]
+    print_table(table)
+    model_rows = kv_model(rows)
+    if model_rows:
+        print("\nplain TP / Helix TPOT, measured and predicted from the KV bytes (plain TP's step minus the KV Helix does not read)")
+        print_table(model_rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+            json.dump({"rows": table, "kv_model": model_rows}, f, indent=1)
+    if args.csv:
+        write_csv(table, args.csv)
+        if model_rows:
+            write_csv(model_rows, os.path.splitext(args.csv)[0] + "-model.csv")
+    if args.png:
+        where = "CPU harness" if args.cpu else ", ".join(args.base_url or args.from_json)
+        write_png(rows, args.png, f"decode TPOT vs context ({where})")
     return 0
 
 
