@@ -27,6 +27,7 @@ removes. It compares layouts under the same assumptions; absolute numbers are lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -275,6 +276,12 @@ def expected_distinct_experts(model: Model, batch: int) -> float:
     return model.experts * (1.0 - (1.0 - model.experts_per_token / model.experts) ** batch)
 
 
+def helix_a2a_bytes(model: Model, n: int, kvp: int, batch: int, act_bytes: float) -> float:
+    """Bytes one GPU sends in a layer's All-to-All: (KVP-1)/KVP of its partials [B, Q/TPA, Dv]
+    and their fp32 LSE, i.e. (KVP-1) x B x (Q/N) x (Dv x e + 4)."""
+    return (kvp - 1) * batch * (model.q_heads / n) * (model.dv * act_bytes + 4)
+
+
 def _roofline(bytes_: float, flops: float, hw: Hardware, peak: float) -> float:
     return max(bytes_ / hw.hbm_bytes_s, flops / peak)
 
@@ -294,7 +301,8 @@ def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w
     kv_bytes = attn_batch * tokens * kv_per_token_layer  # per layer
     # Query heads one GPU attends with: plain TP Q/N, Helix / Medha Q/TPA (all of its TPA slice),
     # DP all Q. MLA decode attends in the latent space: scores over latent + rope, values over the latent.
-    q_local = model.q_heads / {"tp": n, "helix": tpa, "medha": tpa, "dp-ep": 1}[kind]
+    attn_split = {"tp": n, "helix": tpa, "medha": tpa, "dp-ep": 1}[kind]  # GPUs the heads are split over
+    q_local = model.q_heads / attn_split
     if model.mla:
         qk_dim, v_dim = model.kv_dim, model.kv_dim - model.mla_rope_dim
     else:
@@ -307,7 +315,7 @@ def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w
     # o_proj over N (Medha: TPA; DP: whole); the FFN over N (Medha: TPA; MoE: the experts the
     # batch touches, and the shared ones; dp-ep: routed experts over N, the rest whole).
     ffn_split = {"tp": n, "helix": n, "medha": tpa, "dp-ep": 1}[kind]
-    attn_w = model.qkv_params() / {"tp": n, "helix": tpa, "medha": tpa, "dp-ep": 1}[kind] + model.o_params() / ffn_split
+    attn_w = model.qkv_params() / attn_split + model.o_params() / ffn_split
     moe_layers = model.layers - model.dense_layers if model.moe else 0
     dense_layers = model.layers - moe_layers
     dense_w = 3.0 * h * model.ffn / ffn_split
@@ -326,7 +334,7 @@ def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w
     # (KVP-1)/KVP of its partials [B, Q/TPA, Dv] + fp32 LSE. TP / Helix: a ring all-reduce of
     # [B, H] over N after o_proj and after the FFN (Medha: over TPA). dp-ep: per MoE layer, the
     # token dispatch and combine all-to-alls, B/N tokens x k experts x [H] each.
-    a2a_bytes = batch * (model.q_heads / tpa) * (dv * act_bytes + 4) * (kvp - 1) / kvp
+    a2a_bytes = helix_a2a_bytes(model, n, kvp, batch, act_bytes)
     a2a_s = model.layers * (hw.link_latency_s + a2a_bytes / hw.link_bytes_s) if kvp > 1 else 0.0
     ar_n = ffn_split
     ar_bytes = 2.0 * (ar_n - 1) / ar_n * batch * h * act_bytes if ar_n > 1 else 0.0
@@ -363,7 +371,7 @@ def comm_per_layer(model: Model, n: int, scheme: str, size: int, batch: int = 1,
     h, d, dv, q = model.hidden, model.head_dim, model.dv, model.q_heads
     out = {"all-reduce o_proj + FFN": 2 * 2.0 * (n - 1) / n * batch * h * act_bytes if n > 1 else 0.0}
     if scheme == "helix" and size > 1:  # one All-to-All of [KVP, B, Q/N, Dv + LSE]; (KVP-1)/KVP leaves
-        out["all-to-all partials + LSE"] = (size - 1) * batch * (q / n) * (dv * act_bytes + 4)
+        out["all-to-all partials + LSE"] = helix_a2a_bytes(model, n, size, batch, act_bytes)
     elif scheme == "dcp" and size > 1:
         hq = q / n  # query heads per rank (DCP keeps attention TP at n; heads are gathered)
         out["all-gather Q"] = (size - 1) * batch * hq * d * act_bytes
@@ -380,8 +388,7 @@ def print_comm_table(model: Model, ns: List[int], batch: int = 1, act_bytes: flo
     print(f"{'layout':<24} {'collectives':>11} {'attention extra':>16} {'total':>10}  by collective", file=out)
     for n in ns:
         rows = [("TP%d" % n, "tp", 1)]
-        rows += [(f"TP{n} Helix KVP{k}xTPA{n // k}", "helix", k) for k in range(2, n + 1)
-                 if n % k == 0 and model.kv_heads % (n // k) == 0 and model.q_heads % n == 0]  # fmt: skip
+        rows += [(f"TP{n} {lay.name()}", "helix", lay.kvp) for lay in layouts(model, n) if lay.kind == "helix"]
         rows += [(f"TP{n} DCP{k} (upstream)", "dcp", k) for k in range(2, n + 1) if n % k == 0]
         for name, scheme, size in rows:
             c = comm_per_layer(model, n, scheme, size, batch, act_bytes)
@@ -457,7 +464,7 @@ def paper_ratios(key: str, latency_s: float = ALPHA_S, context: int = 1 << 20, b
     """Helix's frontier against TP's (``baseline`` "tp") or the best baseline's ("best"; default:
     what the paper compares that model with)."""
     model, hw = MODELS[key], HARDWARE["gb200-nvl72"]
-    hw = Hardware(hw.name, hw.hbm_bytes_s, hw.hbm_bytes, hw.link_bytes_s, hw.flops, hw.domain, latency_s)
+    hw = dataclasses.replace(hw, link_latency_s=latency_s)
     steps = []
     for n in PAPER_GPUS:
         for lay in layouts(model, n, baselines=True):
