@@ -35,8 +35,8 @@ next to what the layout implies per rank and decode step, from the model's confi
 
 Then, per model and batch, what the KV bytes predict: plain TP's TPOT at the same context minus
 the KV bytes Helix does not read, priced at plain TP's marginal cost per MiB (between its two
-largest contexts), and the plain/Helix TPOT ratio measured against the predicted one. Progress goes to stderr; --json, --csv and --png (TPOT vs context,
-log axes) write the results. Nothing here runs in CI; the targets and results are in
+largest contexts), and the plain/Helix TPOT ratio measured against the predicted one. Progress
+goes to stderr; --json, --csv and --png (TPOT vs context, log axes) write the results. Nothing here runs in CI; the targets and results are in
 benchmark/README.md.
 """
 
