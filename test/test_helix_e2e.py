@@ -39,8 +39,8 @@ ALL_WAVES = (1, 2, 7, 16, 32, 64)
 # attention kernels are interpreted too.
 # The default run: every wave size on torch_native against the --tp 4 reference the other tests
 # share. The Triton kernels run interpreted on the CPU (a server with this workload takes ~12 min
-# on 2 cores), so the default run's Triton end-to-end checks are test_helix_models.py (Qwen3) and
-# test_helix_kv_consistency.py; the rest (HELIX_TEST_FULL=1) adds --tp 2, K < N (MQA, K=2) and
+# on 2 cores), so the default run's Triton end-to-end check is test_helix_kv_consistency.py (real
+# servers' KV shards and generations on triton); the rest (HELIX_TEST_FULL=1) adds --tp 2, K < N (MQA, K=2) and
 # every layout on Triton.
 CASES = [
     # (model, tp, kvp, backend, concurrency waves, default run)

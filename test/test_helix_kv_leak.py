@@ -52,16 +52,16 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import FULL, GQA, stop_server
+from sglang_helix.testing.kv_checks import DEBUG_ENV, LEAK_PATTERNS, RETRACT_LINE
+from sglang_helix.testing.kv_checks import busy_counts as _busy_counts
+from sglang_helix.testing.kv_checks import get as _get
+from sglang_helix.testing.kv_checks import loads as _loads
+from sglang_helix.testing.kv_checks import post as _post
+from sglang_helix.testing.kv_checks import wait_idle as _wait_idle
 from sglang_helix.testing.server import CpuServer
 
 KVP = 2
 PAGE = 4 * KVP  # --helix-kvp-chunk-size x KVP
-DEBUG_ENV = {
-    "SGLANG_DEBUG_MEMORY_POOL": "1",
-    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "2",
-    "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
-    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
-}
 
 
 @dataclass(frozen=True)
@@ -96,33 +96,6 @@ SCENARIOS = {
 # Opt-in (HELIX_TEST_EXTRA=1): after a retraction the scheduler admits one request at a time, and
 # each interpreted Triton prefill takes 10-20 s on 2 cores, so the scenario takes ~15 minutes.
 EXTRA = pytest.mark.skipif(not os.environ.get("HELIX_TEST_EXTRA"), reason="opt-in: HELIX_TEST_EXTRA=1")
-LEAK_PATTERNS = [
-    "memory leak detected", "Mem Leak Detected", "double free", "use-after-free",
-    "AssertionError", "hit an exception",
-]  # fmt: skip
-BUSY_RE = re.compile(r"TP(\d)\] \[Mem Check \(BUSY\)\] \[full\] total=(\d+), available=(\d+), .*uncached=(\d+)")
-
-
-def _post(base_url: str, path: str, body: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(base_url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        data = r.read()
-    return json.loads(data) if data else {}
-
-
-def _get(base_url: str, path: str, timeout: float = 60):
-    with urllib.request.urlopen(base_url + path, timeout=timeout) as r:
-        return r.status, r.read()
-
-
-def _loads(base_url: str) -> dict:
-    status, body = _get(base_url, "/v1/loads")
-    assert status == 200
-    data = json.loads(body)
-    loads = data["loads"] if isinstance(data, dict) and "loads" in data else data
-    return loads[0] if isinstance(loads, list) else loads
-
-
 def _wait_admitted(base_url: str, futures: list, timeout: float = 300) -> None:
     """Until every submitted, unfinished request is running (admitted in a prefill round of its own)
     or one is queued (the pool is full). Paced by the server, not by the clock: a slow backend
@@ -174,14 +147,6 @@ def _generate_with_rid(base_url: str, rid: str, prompt: list[int], max_tokens: i
     return _post(base_url, "/generate", body)
 
 
-def _busy_counts(log: str) -> dict:
-    """{tp_rank: [(total, available, uncached), ...]} from the busy-check lines, in log order."""
-    out = {}
-    for m in BUSY_RE.finditer(log):
-        out.setdefault(int(m.group(1)), []).append(tuple(int(x) for x in m.group(2, 3, 4)))
-    return out
-
-
 def _stream_generate_then_abort(base_url: str, rid: str, prompt: list[int], max_tokens: int, chunks: int) -> dict:
     """Stream ``/generate``; after ``chunks`` chunks abort it through ``/abort_request``; read the
     stream to its end and return the last ``meta_info``."""
@@ -207,18 +172,10 @@ def _hf_greedy_ok(model, prompt: list[int], gen: list[int]) -> bool:
     return logits[len(prompt) - 1 : -1].argmax(-1).tolist() == gen
 
 
-def _wait_idle(base_url: str, timeout: float = 300) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = _loads(base_url)
-        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 and load["num_used_tokens"] == 0:
-            return load
-        assert time.monotonic() < deadline, f"server not idle after {timeout}s: {load}"
-        time.sleep(0.5)
-
-
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", ["torch_native", pytest.param("triton", marks=EXTRA)])
+# The default run's KV accounting check is the soak (test_helix_soak.py: the same checks on every
+# rank, over every request kind); this scripted scenario runs with HELIX_TEST_FULL=1.
+@pytest.mark.parametrize("backend", [pytest.param("torch_native", marks=FULL), pytest.param("triton", marks=EXTRA)])
 def test_aborts_and_retraction_leak_no_kv(model_dir, server_log_dir, backend):
     _leak_scenario(model_dir(GQA), server_log_dir, DEBUG_ENV, backend)
 
@@ -315,7 +272,7 @@ def _leak_scenario(model_path: str, server_log_dir: str, env: dict, backend: str
         raise failure
 
     # The workload did what it is meant to.
-    retractions = log.count("KV cache pool is full. Retract requests.")
+    retractions = log.count(RETRACT_LINE)
     assert retractions >= 1, "the pool never ran full: no retraction happened"
     assert all(n == 3 for n in stream_chunks), stream_chunks
     finish = [r["finish_reason"]["type"] for r in abort_results]

@@ -3,6 +3,7 @@
 import psutil
 import pytest
 
+from conftest import FULL
 from sglang_helix.testing.server import CpuServer, ServerStartError
 
 
@@ -18,6 +19,9 @@ def _alive(pids):
     return out
 
 
+# HELIX_TEST_FULL=1: every end-to-end test of the default run serves through this harness and
+# stops its server with the same no-survivor check (conftest.stop_server).
+@FULL
 def test_tp2_server_serves_and_leaves_no_process(model_dir, server_log_dir):
     srv = CpuServer(model_dir(), ["--tp", "2"], log_dir=server_log_dir, startup_timeout=600).start()
     try:

@@ -139,6 +139,16 @@ class CpuServer:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "CpuServer":
+        self.launch()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> "CpuServer":
+        """Start the launcher process and return at once (``start`` also waits until it serves)."""
         env = cpu_server_env(_tp_size(self.args), self.attention_backend, self.stub_log)
         env.update(self.extra_env)
         self._log = open(self.log_path, "w")
@@ -152,11 +162,6 @@ class CpuServer:
             env=env,
             start_new_session=True,
         )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def _wait_ready(self) -> None:
@@ -247,3 +252,60 @@ class CpuServer:
     def stub_calls(self) -> list[str]:
         with open(self.stub_log) as f:
             return [line.strip() for line in f if line.strip()]
+
+
+class MultiNodeServer:
+    """One server launched as ``nnodes`` nodes on this machine (loopback), as on a cluster:
+
+        python -m sglang.launch_server ... --nnodes 2 --node-rank 0 --dist-init-addr 127.0.0.1:P
+        python -m sglang.launch_server ... --nnodes 2 --node-rank 1 --dist-init-addr 127.0.0.1:P
+
+    Node 0 serves the API at ``base_url``; node r >= 1 runs TP ranks ``r*N/nnodes ...`` and
+    upstream's health-only endpoint on its own port. Each node is a ``CpuServer`` (its own
+    process tree and log); ``stop()`` stops all of them and verifies no process survives.
+    """
+
+    def __init__(self, model_path: str, args: list[str], nnodes: int = 2, **kwargs):
+        self.dist_init_addr = f"127.0.0.1:{free_port()}"
+        self.nodes = [
+            CpuServer(model_path, [*args, "--nnodes", str(nnodes), "--node-rank", str(r), "--dist-init-addr", self.dist_init_addr], **kwargs)
+            for r in range(nnodes)
+        ]
+
+    @property
+    def base_url(self) -> str:
+        return self.nodes[0].base_url
+
+    def start(self) -> "MultiNodeServer":
+        try:
+            for node in self.nodes[1:]:  # they wait in the rendezvous for node 0
+                node.launch()
+            self.nodes[0].launch()
+            for node in self.nodes:
+                node._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        errors = []
+        for node in self.nodes:
+            try:
+                node.stop()
+            except Exception as e:  # stop every node before reporting
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(node.log_tail(n) for node in self.nodes)
+
+    def stub_calls(self) -> list[str]:
+        return [c for node in self.nodes for c in node.stub_calls()]
+
+    def __enter__(self) -> "MultiNodeServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

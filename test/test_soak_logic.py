@@ -1,0 +1,80 @@
+"""The soak's pure logic: the request mix, the comparison, the verdict (no server)."""
+
+from copy import deepcopy
+
+from sglang_helix.testing import soak
+from sglang_helix.testing.openai_probe import Generation
+
+CONTEXT, POOL = 8192, 4096
+
+
+def test_requests_are_reproducible_and_cover_every_kind():
+    a = soak.make_requests(400, seed=5, context_len=CONTEXT, pool_tokens=POOL)
+    assert a == soak.make_requests(400, seed=5, context_len=CONTEXT, pool_tokens=POOL)
+    assert a != soak.make_requests(400, seed=6, context_len=CONTEXT, pool_tokens=POOL)
+    assert {r.kind for r in a} == set(soak.KINDS)
+    for r in a:
+        n = len(r.prompt)
+        if r.kind == "over_context":
+            assert n >= CONTEXT
+        elif r.kind == "over_pool":
+            assert POOL < n < CONTEXT
+        elif r.kind.startswith("chat"):
+            assert r.text and not r.prompt
+        else:
+            assert 1 <= n <= POOL * 0.85 and 1 <= r.max_tokens <= 300
+    assert any(r.n > 1 for r in a) and any(r.stop for r in a)
+    assert max(len(r.prompt) for r in a if r.kind not in ("over_context", "over_pool")) > 2000
+    # a third of the prompts start with one of the shared prefixes
+    starts = [r.prompt[:32] for r in a if len(r.prompt) >= 32]
+    assert max(starts.count(s) for s in starts) > len(a) // 20
+
+
+def _outcome(lps=(-0.1, -0.2), finish="length", text="ab"):
+    gen = Generation(text, ["a", "b"], list(lps), [[lp, lp - 2.0] for lp in lps])
+    return soak.Outcome(status=200, finish=[finish], gens=[gen], texts=[text])
+
+
+def test_compare_flags_every_kind_of_difference():
+    req = soak.Request(0, "completion", prompt=(11, 12), max_tokens=2)
+    ref = _outcome()
+    assert soak.compare([req], [ref], [deepcopy(ref)]) == []
+    moved = _outcome(lps=(-0.1, -0.2 + 1e-3))
+    assert "logprob" in soak.compare([req], [ref], [moved])[0][2]
+    assert "choices" in soak.compare([req], [ref], [soak.Outcome(200)])[0][2]
+    other_text = _outcome(text="ac")
+    assert "decisive throughout" in soak.compare([req], [ref], [other_text])[0][2]
+    err = soak.Outcome(400, error="Input length (5000 tokens) exceeds the maximum allowed length (4090 tokens).")
+    assert soak.compare([req], [err], [deepcopy(err)]) == []
+    assert soak.compare([req], [err], [soak.Outcome(400, error="something else")])
+    assert soak.compare([req], [ref], [err])
+    # interrupted requests: only an answer is required
+    cut = soak.Request(1, "disconnect", prompt=(11,), max_tokens=9, cut_after=2)
+    assert soak.compare([cut], [ref], [soak.Outcome(200, note="closed after 2 chunks")]) == []
+
+
+def _report(after=(4096, 3968, 128), low=0, retractions=0, fired=()):
+    req = soak.Request(0, "completion", prompt=(11, 12), max_tokens=2)
+    busy_start = {r: [(4096, 3968, 128)] for r in range(4)}
+    busy_during = {r: [(4096, low, 0)] for r in range(4)}
+    busy_after = {r: [after] for r in range(4)}
+    return {
+        "requests": [req], "reference": [_outcome()], "outcomes": [_outcome()], "wall_s": 1.0, "healthy": True,
+        "fired": list(fired), "retractions": retractions, "busy": [busy_start, busy_during, busy_after],
+    }  # fmt: skip
+
+
+def test_failures_flags_leaks_and_an_idle_pool():
+    assert soak.failures(_report(), 4) == []
+    assert any("after the soak" in f for f in soak.failures(_report(after=(4096, 3840, 128)), 4))
+    assert any("never ran low" in f for f in soak.failures(_report(low=4000), 4))
+    assert soak.failures(_report(low=4000, retractions=2), 4) == []
+    assert any("KV check fired" in f for f in soak.failures(_report(fired=["TP1] Scheduler hit an exception"]), 4))
+    bad = _report()
+    bad["outcomes"] = [soak.Outcome(0, error="TimeoutError")]
+    assert any("no answer" in f for f in soak.failures(bad, 4))
+
+
+def test_a_short_soak_still_has_every_kind():
+    a = soak.make_requests(len(soak.KINDS), seed=1, context_len=CONTEXT, pool_tokens=POOL)
+    assert sorted(r.kind for r in a) == sorted(soak.KINDS)
