@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 
 from sglang_helix.testing import kv_checks, soak
 from sglang_helix.testing.server import CpuServer
@@ -80,6 +81,12 @@ def main(argv=None) -> int:
     for kind, k in out["kinds"].items():
         print(f"  {kind:18s} {k['count']:6d} requests, {k['ok']:6d} answered 200, errors {sum(k['errors'].values())}")
     if args.json:
+        # The outcomes of every request that failed, both servers', to look at afterwards.
+        bad = {i for i, _, _ in soak.compare(requests, reference, report["outcomes"])}
+        out["failed_outcomes"] = {
+            i: {"request": asdict(requests[i]), "reference": reference[i].to_json(), "candidate": report["outcomes"][i].to_json()}
+            for i in sorted(bad)
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     print("SOAK PASSED" if not found else f"SOAK FAILED: {len(found)} problems", flush=True)

@@ -182,8 +182,7 @@ def test_aborts_and_retraction_leak_no_kv(model_dir, server_log_dir, backend):
 
 # A broken release path must fail the test above: the same scenario with a fault injected into the
 # paged allocator of TP rank 3 only (test/fault_injection/sitecustomize.py), so rank 0's view
-# (/v1/loads) stays clean. Three more torch_native servers (~1-2 min each on 2 cores), in the
-# default run: a detector that is never shown to fire proves nothing.
+# (/v1/loads) stays clean. Three more torch_native servers (~1-2 min each on 2 cores).
 FAULTS = {
     "leak-busy-check": ("leak", DEBUG_ENV, r"TP3\] Scheduler hit an exception.*Full Pool Mem Leak Detected"),
     "leak-idle-check": (
@@ -197,7 +196,8 @@ FAULTS = {
 
 @pytest.mark.e2e
 # With HELIX_TEST_FULL=1 (a server each, ~80 s): the detectors are upstream's and the allocator's,
-# shown to fire once; the default run keeps the leak scenario itself.
+# shown to fire once; the default run's soak relies on them (and test_soak_logic.py shows that its
+# verdict fails on a fired check).
 @pytest.mark.parametrize("fault", [pytest.param(f, marks=FULL) for f in FAULTS])
 def test_leak_checks_catch_an_injected_fault(model_dir, server_log_dir, monkeypatch, fault):
     mode, env, message = FAULTS[fault]
