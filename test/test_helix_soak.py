@@ -14,6 +14,8 @@ batch and when idle). Asserted:
   the same HTTP error and message, or the same greedy generation (``soak.compare``);
 - a prompt larger than the pool is refused at once with a message naming the sizes (no
   retraction loop); the pool did run low (retraction or < 1/8 free) on every rank;
+- prompts on shared prefixes hit the prefix cache (``#cached-token`` > 0), so the default run's
+  prefix-reuse check against plain TP is this soak (test_helix_prefix_cache.py runs in full);
 - afterwards (prefix cache flushed): no check fired on any rank, the server is healthy, and every
   rank's (total, available, uncached) on the first request equals what it was at startup.
 
@@ -86,6 +88,8 @@ def test_soak_matches_plain_tp_and_leaks_nothing(model_dir, server_log_dir):
     report = soak.soak_server(helix_server, requests, ref, CLIENTS)
     found = soak.failures(report, num_ranks=4)
     assert not found, f"{len(found)} problems:\n" + "\n".join(found[:20]) + "\n" + helix_server.log_tail(30)
+    # Shared prefixes were reused (the prefix cache under Helix, against plain TP's answers).
+    assert report["cached_tokens"] > 0, "no prefill found a cached prefix"
     print(json.dumps(soak.report_summary(report)))
 
 

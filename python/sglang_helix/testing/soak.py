@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 import urllib.error
@@ -389,6 +390,11 @@ def summary(requests: list, outcomes: list) -> dict:
 # ---------------------------------------------------------------------------------------------
 # A whole soak: the reference's outcomes, then the server under test, then its KV accounting
 # ---------------------------------------------------------------------------------------------
+def mark_start_text(raw: bytes, mark: int) -> int:
+    """The character offset of byte offset ``mark`` in the decoded log."""
+    return len(raw[:mark].decode(errors="replace"))
+
+
 def soak_server(srv, requests: list, reference: list, clients: int = 16, progress=None) -> dict:
     """Run ``requests`` against ``srv`` (a started ``CpuServer`` with ``kv_checks.DEBUG_ENV``),
     then, idle and with the prefix cache flushed, read every rank's KV checks from its log.
@@ -418,6 +424,8 @@ def soak_server(srv, requests: list, reference: list, clients: int = 16, progres
         "healthy": status == 200 and srv.proc.poll() is None,
         "fired": kv_checks.fired_checks(log),
         "retractions": log.count(kv_checks.RETRACT_LINE),
+        # prefix-cache hits: tokens the prefill batches found cached (rank 0's log line)
+        "cached_tokens": sum(int(m) for m in re.findall(r"#cached-token: (\d+)", log[mark_start_text(raw, mark_start):])),
         # {tp_rank: [(total, available, uncached), ...]} at startup, during the soak, after it
         "busy": [kv_checks.busy_counts(raw[a:b].decode(errors="replace")) for a, b in ((0, mark_start), (mark_start, mark_end), (mark_end, len(raw)))],
     }  # fmt: skip
@@ -455,6 +463,7 @@ def report_summary(report: dict) -> dict:
     return {
         "wall_s": round(report["wall_s"], 1),
         "retractions": report["retractions"],
+        "cached_tokens": report["cached_tokens"],
         "min_free_per_rank": {r: min(a for _, a, _ in c) for r, c in sorted(during.items())},
         "total_per_rank": {r: c[0][0] for r, c in sorted(startup.items())},
         **summary(report["requests"], report["outcomes"]),
