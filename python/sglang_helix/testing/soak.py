@@ -18,6 +18,7 @@ its first indecisive step (``openai_probe.assert_same_generation``).
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import threading
@@ -390,19 +391,12 @@ def summary(requests: list, outcomes: list) -> dict:
 # ---------------------------------------------------------------------------------------------
 # A whole soak: the reference's outcomes, then the server under test, then its KV accounting
 # ---------------------------------------------------------------------------------------------
-def mark_start_text(raw: bytes, mark: int) -> int:
-    """The character offset of byte offset ``mark`` in the decoded log."""
-    return len(raw[:mark].decode(errors="replace"))
-
-
 def soak_server(srv, requests: list, reference: list, clients: int = 16, progress=None) -> dict:
     """Run ``requests`` against ``srv`` (a started ``CpuServer`` with ``kv_checks.DEBUG_ENV``),
     then, idle and with the prefix cache flushed, read every rank's KV checks from its log.
 
     Returns a report; ``failures(report)`` lists what is wrong with it (empty: the soak passed).
     """
-    import os
-
     from sglang_helix.testing import kv_checks
 
     mark_start = os.path.getsize(srv.log_path)
@@ -425,7 +419,7 @@ def soak_server(srv, requests: list, reference: list, clients: int = 16, progres
         "fired": kv_checks.fired_checks(log),
         "retractions": log.count(kv_checks.RETRACT_LINE),
         # prefix-cache hits: tokens the prefill batches found cached (rank 0's log line)
-        "cached_tokens": sum(int(m) for m in re.findall(r"#cached-token: (\d+)", log[mark_start_text(raw, mark_start):])),
+        "cached_tokens": sum(int(m) for m in re.findall(r"#cached-token: (\d+)", raw[mark_start:].decode(errors="replace"))),
         # {tp_rank: [(total, available, uncached), ...]} at startup, during the soak, after it
         "busy": [kv_checks.busy_counts(raw[a:b].decode(errors="replace")) for a, b in ((0, mark_start), (mark_start, mark_end), (mark_end, len(raw)))],
     }  # fmt: skip
