@@ -447,8 +447,26 @@ def test_helix_keeps_the_radix_cache_and_switches_off_cuda_graphs(model):
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert warnings == [
         f"Helix parallelism (--helix-kvp-size 2): disabling CUDA graphs ({', '.join(graphs_on)}); "
-        "the KVP All-to-All is not captured yet.",
+        "pass --helix-enable-cuda-graph to keep decode graphs (unverified on GPUs).",
     ]
+
+
+def test_helix_enable_cuda_graph_keeps_decode_graphs_only(model):
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    args = ["--tp", "4", "--attention-backend", "triton"]
+    plain = view(resolve(model(), args))
+    with helix_log() as records:
+        cfg = view(resolve(model(), [*args, "--helix-kvp-size", "2", "--helix-enable-cuda-graph"]))
+    assert cfg.disable_cuda_graph is False
+    assert cfg.cuda_graph_config.decode.backend == plain.cuda_graph_config.decode.backend != Backend.DISABLED
+    assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    prefill_on = plain.cuda_graph_config.prefill.backend != Backend.DISABLED
+    assert warnings == [
+        "Helix parallelism (--helix-kvp-size 2): disabling CUDA graphs (prefill); prefill graphs are "
+        "not supported under Helix."
+    ] * prefill_on
 
 
 def test_no_warning_when_already_off(model):

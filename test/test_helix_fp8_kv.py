@@ -41,6 +41,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.helix import attention, kv_layout  # noqa: E402
 from sglang.srt.layers.helix.comm import merge_partials  # noqa: E402
+from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
 from sglang.srt.layers.helix.ownership import owner_rank  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
@@ -149,7 +150,7 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
     ]  # fmt: skip
     layer = _layer(scales)
     partials = []
-    monkeypatch.setattr(attention, "helix_a2a_merge", lambda out, lse, group: partials.append((out, lse)) or out)
+    monkeypatch.setattr(attention, "helix_a2a_merge", lambda out, lse, *_: partials.append((out.clone(), lse.clone())) or out)
     keys = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}  # what attention should see, by (slot, pos)
     values = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
 
@@ -168,6 +169,9 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             monkeypatch.setattr(attention, "get_attn_backend", lambda: backend)
             batch = _forward_batch(mode, reqs, req_to_token)
+            if backend_name == "triton" and mode == "decode":  # what the backend's init_forward_metadata does
+                backend.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
+                backend.helix_decode.prepare_eager(batch)
             k_in, v_in = k.clone(), v.clone()
             attention.helix_attention(layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch)
             if mode == "extend":  # the pool's write must not have scaled the K/V in hand

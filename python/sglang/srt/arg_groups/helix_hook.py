@@ -19,8 +19,9 @@ cannot slip an unsupported value past it. Each run
 - rejects invalid or unsupported configurations with one ``HelixConfigError``
   (a ``ValueError``) naming the flags, their values, and what to do (the
   features Helix does not run with: ``helix_unsupported``);
-- switches off what Helix cannot run with yet (CUDA graphs), with one
-  warning, only when it was on;
+- switches off what Helix cannot run with yet (CUDA graphs; decode's stay on
+  with the opt-in ``--helix-enable-cuda-graph``), with one warning, only when
+  it was on;
 - resolves ``helix_tpa_size`` (0 -> N / KVP) and, when no attention backend was
   given, picks a supported one (one backend for both phases);
 - resolves the KV page and the sizes counted in it (``helix_sizes``).
@@ -349,6 +350,12 @@ def _check_page_size(server_args: Any, cfg: Any) -> None:
 
 
 def _switch_off_cuda_graphs(server_args: Any, cfg: Any) -> None:
+    """CUDA graphs off under Helix, unless ``--helix-enable-cuda-graph`` keeps decode's on.
+
+    The Helix decode step is capturable (layers/helix/decode_state.py; verified on the CPU through
+    the backend's capture/replay hooks); prefill graphs are not (the extend lists have host-sized
+    shapes), so they go off either way.
+    """
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
     graphs = cfg.cuda_graph_config
@@ -357,19 +364,24 @@ def _switch_off_cuda_graphs(server_args: Any, cfg: Any) -> None:
         for phase in Phase.ALL
         if graphs is not None and getattr(graphs, phase).backend != Backend.DISABLED
     ]
-    if not on and cfg.disable_cuda_graph:
+    # Kept decode graphs log that they are unverified on GPUs when captured (decode_state.py).
+    keep = [Phase.DECODE] if getattr(cfg, "helix_enable_cuda_graph", False) and Phase.DECODE in on else []
+    off = [phase for phase in on if phase not in keep]
+    if not off and (keep or cfg.disable_cuda_graph):
         return
-    if on:
+    if off:
         logger.warning(
-            "Helix parallelism (--helix-kvp-size %d): disabling CUDA graphs (%s); "
-            "the KVP All-to-All is not captured yet.",
+            "Helix parallelism (--helix-kvp-size %d): disabling CUDA graphs (%s)%s.",
             cfg.helix_kvp_size,
-            ", ".join(on),
+            ", ".join(off),
+            "; prefill graphs are not supported under Helix" if keep else
+            "; pass --helix-enable-cuda-graph to keep decode graphs (unverified on GPUs)",
         )
-        for phase in on:
+        for phase in off:
             graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
         _declare(server_args, cuda_graph_config=graphs)
-    _declare(server_args, disable_cuda_graph=True)
+    if not keep:
+        _declare(server_args, disable_cuda_graph=True)
 
 
 # ---------------------------------------------------------------------------

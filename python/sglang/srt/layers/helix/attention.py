@@ -18,8 +18,10 @@ keys this rank owns at positions <= p; a rank that owns none returns output 0, L
   every rank does ~1/KVP of the prefill attention, the chunk's own part included
   (docs/helix-design.md, section 3).
 
-Per-batch index metadata (write rows, local KV lists) is built once per forward batch, on the
-first layer, and cached on the ``ForwardBatch``.
+Per-batch index metadata (write rows, local KV lists): a Triton decode reads the lists the
+backend's metadata hooks filled in persistent buffers (``decode_state.py``: the same code eagerly
+and under CUDA-graph capture); an extend, and any torch_native step, builds them from the host
+lengths once per forward batch, on the first layer, and caches them on the ``ForwardBatch``.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ from typing import Optional, Tuple
 
 import torch
 
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.srt.layers.helix import kv_layout
 from sglang.srt.layers.helix.comm import helix_a2a_merge, merge_partials
+from sglang.srt.layers.helix.decode_state import TRASH_ROW, HelixDecodeMetadata, HelixDecodeState
+from sglang.srt.layers.helix.groups import get_helix_kvp_group
 from sglang.srt.layers.helix.ownership import owner_rank
 from sglang.srt.model_executor.forward_context import get_attn_backend
 
-TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
 _SCORE_ELEMS = 1 << 25  # torch path: the most fp32 scores [K/TPA, g, t, L] held at once (128 MiB)
 
 # DEBUG: directory for per-rank K/V dumps (see _debug_dump_kv); read once, unset = no dumps.
@@ -54,8 +61,6 @@ class HelixForwardMetadata:
     # torch_native: global positions of the listed keys [L], and kv_indptr on the host
     kv_positions: Optional[torch.Tensor] = None
     kv_indptr_host: Optional[list] = None
-    # triton decode: stage-1 split buffers, allocated on the first layer and reused by the others
-    decode_splits: Optional[tuple] = None  # (attn_logits [B, H, S, Dv], attn_lse [B, H, S], num_kv_splits [B])
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
 
@@ -152,15 +157,23 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
 
     ``layer`` is the ``RadixAttention`` built with the TPA-local head counts.
     """
-    from sglang.srt.layers.helix.groups import get_helix_kvp_group
-
-    meta = HelixForwardMetadata.of(forward_batch)
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
     v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     backend = get_attn_backend()
     kv_pool = backend.token_to_kv_pool
+    triton = isinstance(backend, TritonAttnBackend)
+    if not triton and not isinstance(backend, TorchNativeAttnBackend):
+        # e.g. a HybridAttnBackend: the Helix hook refuses the flags that build one
+        raise NotImplementedError(
+            f"helix attention: no Helix path for the attention backend {type(backend).__name__}; "
+            "only TritonAttnBackend and TorchNativeAttnBackend run under --helix-kvp-size > 1"
+        )
+    if triton and forward_batch.forward_mode.is_decode():
+        meta = _decode_metadata(backend.helix_decode, q.shape[0])  # filled by the backend's hooks
+    else:
+        meta = HelixForwardMetadata.of(forward_batch)
     if forward_batch.forward_mode.is_extend() and _kv_scales(layer, kv_pool, k.dtype):
         # The write divides k/v by the KV scales in place; the Triton extend still reads the
         # chunk being prefilled from them (as upstream's Triton backend, clone first).
@@ -168,22 +181,29 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
     else:
         kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
     if _DEBUG_KV_DIR:  # debug only (SGLANG_HELIX_DEBUG_KV_DIR); off by default
-        _debug_dump_kv(layer, forward_batch, meta, kv_pool)
+        _debug_dump_kv(layer, forward_batch, HelixForwardMetadata.of(forward_batch), kv_pool)
 
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-    if isinstance(backend, TritonAttnBackend):
-        out, lse = _triton_partial(layer, q, k, v, forward_batch, meta, backend)
-    elif isinstance(backend, TorchNativeAttnBackend):
-        out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
-    else:  # e.g. a HybridAttnBackend: the Helix hook refuses the flags that build one
-        raise NotImplementedError(
-            f"helix attention: no Helix path for the attention backend {type(backend).__name__}; "
-            "only TritonAttnBackend and TorchNativeAttnBackend run under --helix-kvp-size > 1"
-        )
-    merged = helix_a2a_merge(out, lse, get_helix_kvp_group())  # [T, Q/N, Dv]
+    group = get_helix_kvp_group()
+    if isinstance(meta, HelixDecodeMetadata):
+        out, lse, a2a_buffers = _triton_decode(layer, q, meta, backend)
+        merged = helix_a2a_merge(out, lse, group, a2a_buffers)  # [T, Q/N, Dv]
+    else:
+        if triton:
+            out, lse = _triton_extend(layer, q, k, v, forward_batch, meta, backend)
+        else:
+            out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
+        merged = helix_a2a_merge(out, lse, group)  # [T, Q/N, Dv]
     return merged.reshape(merged.shape[0], -1)
+
+
+def _decode_metadata(state: HelixDecodeState, num_tokens: int) -> HelixDecodeMetadata:
+    meta = state.metadata
+    if meta is None or meta.write_rows.shape[0] != num_tokens:
+        raise RuntimeError(
+            "helix attention: the Triton backend did not prepare this decode batch's Helix lists "
+            f"(init_forward_metadata / init_forward_metadata_in_graph); {num_tokens} tokens"
+        )
+    return meta
 
 
 def _check_layer(layer) -> None:
@@ -257,32 +277,37 @@ def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, floa
     return float(layer.k_scale), float(layer.v_scale)
 
 
-def _triton_partial(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend):
-    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
-    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+def _kv_buffers(layer, backend, dtype: torch.dtype):
+    pool = backend.token_to_kv_pool
+    k_descale, v_descale = _kv_scales(layer, pool, dtype) or (1.0, 1.0)
+    return pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), k_descale, v_descale
 
+
+def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
+    """Upstream's two-stage decode kernel (merged-LSE output) over this rank's local KV lists.
+
+    Everything it touches lives in ``meta.buffers`` (persistent): ``out [T, Q/TPA, Dv]``, ``lse
+    [T, Q/TPA]`` and the ``(send, recv)`` buffers of the exchange that follows. No host value,
+    no allocation: capturable.
+    """
     _check_layer(layer)
-    k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
-    k_descale, v_descale = _kv_scales(layer, backend.token_to_kv_pool, q.dtype) or (1.0, 1.0)
+    k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape
-    if forward_batch.forward_mode.is_decode():
-        out = torch.empty(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
-        lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-        splits = backend.max_kv_splits
-        shape = (T, H, splits, layer.v_head_dim)
-        if meta.decode_splits is None or meta.decode_splits[0].shape != shape:
-            meta.decode_splits = (
-                torch.empty(shape, dtype=torch.float32, device=q.device),
-                torch.empty(shape[:3], dtype=torch.float32, device=q.device),
-                torch.full((T,), splits, dtype=torch.int32, device=q.device),
-            )  # once per batch: every layer has the same head counts
-        attn_logits, attn_lse, num_kv_splits = meta.decode_splits
-        decode_attention_fwd(
-            q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, attn_logits, attn_lse,
-            num_kv_splits, splits, layer.scaling, k_descale, v_descale, output_lse=lse,
-        )  # fmt: skip
-        return out, lse
+    splits = backend.max_kv_splits
+    attn_logits, attn_lse, num_kv_splits, out, lse, send, recv = meta.buffers.workspace(
+        T, H, layer.v_head_dim, q.dtype, splits
+    )
+    decode_attention_fwd(
+        q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, attn_logits, attn_lse,
+        num_kv_splits, splits, layer.scaling, k_descale, v_descale, output_lse=lse,
+    )  # fmt: skip
+    return out, lse, (send, recv)
+
+
+def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend):
+    _check_layer(layer)
+    k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
+    T, H, _ = q.shape
     # Extend: three partials over the keys this rank owns (docs/helix-design.md, section 3),
     # merged here: [0] every query over the owned prefix, [1] each segment over the owned new
     # tokens before it, [2] each segment causally over itself (kept only where this rank owns it;

@@ -205,14 +205,20 @@ def _check_lse(partial_out: torch.Tensor, lse: torch.Tensor) -> None:
 
 
 def _exchange(
-    partial_out: torch.Tensor, lse: torch.Tensor, group: HelixGroup, kvp_size: int, triton: bool
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    partial_out: torch.Tensor, lse: torch.Tensor, group: HelixGroup, kvp_size: int, triton: bool,
+    buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     _check_lse(partial_out, lse)
     T, H, D = partial_out.shape
     shape = a2a_buffer_shape(T, H, D, partial_out.dtype, kvp_size)
     lpd = shape[3] - D
-    send = torch.empty(shape, dtype=partial_out.dtype, device=partial_out.device)
-    recv = torch.empty_like(send)
+    if buffers is None:
+        send = torch.empty(shape, dtype=partial_out.dtype, device=partial_out.device)
+        recv = torch.empty_like(send)
+    else:  # persistent (decode_state.py): same addresses every step, as a CUDA graph needs
+        send, recv = buffers
+        if send.shape != shape or recv.shape != shape or send.dtype != partial_out.dtype:
+            raise ValueError(f"helix merge: send/recv buffers {tuple(send.shape)}, expected {shape}")
     _pack_send(partial_out, lse, send, triton)
 
     # ONE collective, as raw bytes (as upstream does: fp8 outputs have no collective dtype; equal
@@ -241,7 +247,10 @@ def helix_a2a_exchange(
 
 
 def helix_a2a_merge(
-    partial_out: torch.Tensor, lse: torch.Tensor, group: HelixGroup
+    partial_out: torch.Tensor,
+    lse: torch.Tensor,
+    group: HelixGroup,
+    buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Exchange partial attention over the KVP group and merge it: ONE All-to-All per call.
 
@@ -251,6 +260,8 @@ def helix_a2a_merge(
         lse: ``[T, H]`` fp32 natural-log LSE of the scaled scores.
         group: the KVP group, a ``GroupCoordinator`` or a ``torch.distributed.ProcessGroup``.
             All ranks must pass the same ``T`` (they run the same batch).
+        buffers: optional ``(send, recv)``, each ``[KVP, T, H/KVP, D + lpd]`` (``a2a_buffer_shape``)
+            and contiguous, to exchange through instead of two fresh allocations.
     Returns:
         ``[T, H/KVP, D]`` in ``partial_out.dtype``: exact attention for head slice
         ``[k * H/KVP, (k + 1) * H/KVP)`` of the local heads, ``k`` = this rank's index in
@@ -260,6 +271,6 @@ def helix_a2a_merge(
     if kvp_size == 1:
         return partial_out
     triton = use_triton(partial_out.device)  # Triton kernels or the torch path, for both steps
-    outs, lses = _exchange(partial_out, lse, group, kvp_size, triton)
+    outs, lses = _exchange(partial_out, lse, group, kvp_size, triton, buffers)
     out, _ = _combine(outs, lses, False, triton)
     return out

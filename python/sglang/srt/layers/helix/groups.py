@@ -76,6 +76,12 @@ def init_helix_groups(
     return dict(_GROUPS)
 
 
+def helix_graph_capture_groups() -> List[object]:
+    """The Helix groups a CUDA-graph capture enters (``parallel_state.graph_capture``), so that
+    the KVP All-to-All is captured through pynccl; none when Helix is off."""
+    return [group for name, group in _GROUPS.items() if name == "helix_kvp_group"]
+
+
 def destroy_helix_groups() -> None:
     for group in _GROUPS.values():
         group.destroy()

@@ -1,0 +1,251 @@
+"""Helix decode metadata and workspaces in persistent buffers: one implementation, eager and graph.
+
+A decode step of Helix attention needs, per forward batch (shared by all layers):
+
+    write_rows  [T]           physical row of each new token on this rank (trash row if not owned)
+    kv_indptr   [B+1]         CSR over this rank's local KV lists (positions [0, seq_len) it owns)
+    kv_indices  [capacity]    the physical rows of those lists; only [0, kv_indptr[B]) is meaningful
+
+and per layer (reused by every layer, as upstream's Triton backend reuses ``attn_logits``):
+
+    attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [B]    stage-1 split buffers
+    out [T, H, Dv], lse [T, H]                                          the partial attention
+    send / recv [KVP, T, H/KVP, Dv + lpd]                               the All-to-All buffers
+
+(``H = Q/TPA`` heads, ``S`` = the backend's ``max_kv_splits``). ``HelixDecodeState.fill`` writes the
+three lists in place with device ops whose shapes come only from the batch's tensor shapes (``B``,
+``T``: fixed for a captured graph), never from a value read back from the device, so the same code
+runs eagerly and inside a CUDA graph:
+
+- eager (``prepare_eager``, from ``init_forward_metadata``): buffers grown on the host as batches
+  need (outside any graph), then ``fill``;
+- CUDA graph (``init_graph_state`` once, ``prepare_in_graph`` from
+  ``init_forward_metadata_in_graph`` at capture, so ``fill`` is recorded into the graph and
+  re-runs at every replay over the runner's padded static inputs): buffers sized once for the
+  largest captured batch and context and never reallocated (a graph holds their addresses).
+
+Padded requests of a replayed graph (``seq_len`` 1, slot 0, write loc 0) list position 0 on KVP
+rank 0 and nothing elsewhere, and write to the trash row: harmless, their outputs are dropped.
+
+``local_kv_indices_triton`` is the list builder of ``kv_layout.local_kv_indices`` as one Triton
+program per request (no host-sized allocation); it runs compiled on CUDA/ROCm/XPU and under the
+interpreter on the CPU, and is tested against ``kv_layout.local_kv_indices``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.helix import kv_layout
+from sglang.srt.layers.helix.comm import a2a_buffer_shape
+from sglang.srt.layers.helix.ownership import local_kv_len, local_kv_len_upper_bound
+
+logger = logging.getLogger(__name__)
+
+TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
+_BLOCK = 128  # local positions per loop iteration of the list builder
+
+
+@triton.jit
+def _local_kv_indices_kernel(
+    req_to_token,  # [R, max_context] logical locs
+    req_to_token_stride,
+    req_pool_indices,  # [B]
+    kv_indptr,  # [B+1]
+    kv_indices,  # [capacity] out: physical rows
+    kvp_rank,
+    KVP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # ownership.py in kernel form: local position j of this rank is global position
+    # (j // CHUNK) * PAGE + kvp_rank * CHUNK + j % CHUNK; a logical loc's physical row is
+    # (loc // PAGE) * CHUNK + loc % CHUNK (PAGE = CHUNK * KVP).
+    PAGE: tl.constexpr = CHUNK * KVP
+    b = tl.program_id(0)
+    slot = tl.load(req_pool_indices + b).to(tl.int64)
+    start = tl.load(kv_indptr + b).to(tl.int64)
+    n = tl.load(kv_indptr + b + 1).to(tl.int64) - start
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        mask = j < n
+        pos = (j // CHUNK) * PAGE + kvp_rank * CHUNK + j % CHUNK
+        loc = tl.load(req_to_token + slot * req_to_token_stride + pos, mask=mask, other=0).to(tl.int64)
+        tl.store(kv_indices + start + j, (loc // PAGE) * CHUNK + loc % CHUNK, mask=mask)
+
+
+def local_kv_indices_triton(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kvp_rank: int,
+    kvp_size: int,
+    chunk: int,
+) -> None:
+    """Fill ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]`` with request ``b``'s local physical rows.
+
+    Args: ``req_to_token [R, max_context]``, ``req_pool_indices [B]``, ``kv_indptr [B+1]`` (the
+    cumulative ``local_kv_len`` of the requests), ``kv_indices [capacity]`` int64 (written in
+    place, ``capacity >= kv_indptr[B]``). The entries equal ``kv_layout.local_kv_indices``'.
+    """
+    batch = req_pool_indices.shape[0]
+    if batch:
+        _local_kv_indices_kernel[(batch,)](
+            req_to_token, req_to_token.stride(0), req_pool_indices, kv_indptr, kv_indices,
+            kvp_rank, KVP=kvp_size, CHUNK=chunk, BLOCK=_BLOCK,
+        )  # fmt: skip
+
+
+@dataclass
+class HelixDecodeMetadata:
+    """One decode batch's lists (views into the persistent buffers)."""
+
+    write_rows: torch.Tensor  # [T]
+    kv_indptr: torch.Tensor  # [B+1]
+    kv_indices: torch.Tensor  # [capacity]
+    buffers: "HelixDecodeBuffers"
+
+
+class HelixDecodeBuffers:
+    """Persistent decode buffers for up to ``max_bs`` requests (= tokens) and ``capacity`` listed KV."""
+
+    def __init__(self, max_bs: int, capacity: int, kvp_size: int, device: torch.device, fixed: bool):
+        self.max_bs, self.capacity, self.kvp_size, self.device = max_bs, capacity, kvp_size, device
+        self.fixed = fixed  # a graph's buffers: never reallocated (the graph holds their addresses)
+        self.write_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self.kv_indices = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self._workspace: Optional[Tuple] = None  # (key, tensors) of the per-layer workspace
+
+    def workspace(self, num_tokens: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int):
+        """``(attn_logits, attn_lse, num_kv_splits, out, lse, send, recv)`` for ``num_tokens`` tokens.
+
+        Allocated for ``max_bs`` tokens by the first layer that asks (for a graph: in the warm-up
+        before capture, outside the graph), views of the first ``num_tokens`` rows after; every
+        layer has the same head shape, so it is allocated once.
+        """
+        kvp_size = self.kvp_size
+        key = (num_heads, v_head_dim, dtype, max_kv_splits)
+        if self._workspace is None or self._workspace[0] != key:
+            if self._workspace is not None and self.fixed:
+                raise RuntimeError(
+                    f"helix decode: the graph workspace was allocated for {self._workspace[0]}, "
+                    f"a layer asks for {key}"
+                )
+            self._workspace = (key, self._allocate(num_heads, v_head_dim, dtype, max_kv_splits, kvp_size))
+        logits, lse_s, splits, out, lse, send, recv = self._workspace[1]
+        a2a = a2a_buffer_shape(num_tokens, num_heads, v_head_dim, dtype, kvp_size)
+        n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
+        return (
+            logits[:num_tokens], lse_s[:num_tokens], splits[:num_tokens], out[:num_tokens], lse[:num_tokens],
+            send[:n].view(a2a), recv[:n].view(a2a),
+        )  # fmt: skip
+
+    def _allocate(self, num_heads, v_head_dim, dtype, max_kv_splits, kvp_size):
+        T, device = self.max_bs, self.device
+        a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
+        n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
+        return (
+            torch.empty(T, num_heads, max_kv_splits, v_head_dim, dtype=torch.float32, device=device),
+            torch.empty(T, num_heads, max_kv_splits, dtype=torch.float32, device=device),
+            torch.full((T,), max_kv_splits, dtype=torch.int32, device=device),
+            torch.empty(T, num_heads, v_head_dim, dtype=dtype, device=device),
+            torch.empty(T, num_heads, dtype=torch.float32, device=device),
+            torch.empty(n, dtype=dtype, device=device),
+            torch.empty(n, dtype=dtype, device=device),
+        )
+
+
+def _grow(need: int, have: int) -> int:
+    """A buffer size that fits ``need``: ``have`` if it does, else at least double (few reallocations)."""
+    return have if need <= have else max(need, 2 * have)
+
+
+class HelixDecodeState:
+    """This rank's Helix decode lists for the Triton backend: eager buffers and graph buffers.
+
+    The backend calls ``prepare_eager`` (eager decode), ``init_graph_state`` (once) and
+    ``prepare_in_graph`` (graph capture); Helix attention reads ``metadata``.
+    """
+
+    def __init__(self, req_to_token: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int):
+        self.req_to_token = req_to_token
+        self.kvp_rank, self.kvp_size, self.chunk = kvp_rank, kvp_size, chunk
+        self.device = req_to_token.device
+        self.eager: Optional[HelixDecodeBuffers] = None
+        self.graph: Optional[HelixDecodeBuffers] = None
+        self.metadata: Optional[HelixDecodeMetadata] = None
+
+    @classmethod
+    def for_this_rank(cls, req_to_token: torch.Tensor) -> Optional["HelixDecodeState"]:
+        """This rank's state under Helix (``--helix-kvp-size`` > 1), else None."""
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if not parallel.helix_enabled:
+            return None
+        return cls(req_to_token, parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size)
+
+    # -- the one implementation -----------------------------------------------------------
+
+    def fill(self, buffers: HelixDecodeBuffers, forward_batch) -> HelixDecodeMetadata:
+        """Write the batch's lists into ``buffers`` in place: device ops, shapes from ``[B]``/``[T]``."""
+        k, n, c = self.kvp_rank, self.kvp_size, self.chunk
+        num_tokens = forward_batch.out_cache_loc.shape[0]
+        batch = forward_batch.req_pool_indices.shape[0]
+        rows, owned = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
+        write_rows = buffers.write_rows[:num_tokens]
+        write_rows.copy_(rows.masked_fill_(~owned, TRASH_ROW))
+        kv_indptr = buffers.kv_indptr[: batch + 1]
+        local_lens = local_kv_len(forward_batch.seq_lens.to(torch.int64), k, n, c)  # [B]
+        torch.cumsum(local_lens, dim=0, dtype=torch.int32, out=kv_indptr[1:])
+        local_kv_indices_triton(
+            self.req_to_token, forward_batch.req_pool_indices, kv_indptr, buffers.kv_indices, k, n, c
+        )
+        return HelixDecodeMetadata(write_rows, kv_indptr, buffers.kv_indices, buffers)
+
+    # -- eager ----------------------------------------------------------------------------
+
+    def prepare_eager(self, forward_batch) -> None:
+        """Eager decode: grow the eager buffers on the host if this batch needs it, then fill."""
+        batch, num_tokens = forward_batch.req_pool_indices.shape[0], forward_batch.out_cache_loc.shape[0]
+        total = kv_layout.total_local_len(forward_batch.seq_lens_cpu, self.kvp_rank, self.kvp_size, self.chunk)
+        eager = self.eager
+        if eager is None or num_tokens > eager.max_bs or batch > eager.max_bs or total > eager.capacity:
+            have_bs, have_capacity = (eager.max_bs, eager.capacity) if eager is not None else (0, 0)
+            self.eager = eager = HelixDecodeBuffers(
+                _grow(max(batch, num_tokens), have_bs), _grow(max(total, 1), have_capacity),
+                self.kvp_size, self.device, fixed=False,
+            )  # fmt: skip
+        self.metadata = self.fill(eager, forward_batch)
+
+    # -- CUDA graph -----------------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int, max_context_len: int) -> torch.Tensor:
+        """Allocate the graph buffers once: ``max_bs`` requests of up to ``max_context_len`` tokens.
+
+        Returns the KV index buffer (``max_bs * ceil-local(max_context_len)`` rows, 1/KVP of what
+        upstream sizes for the full context), which the backend may hold as its own.
+        """
+        if self.kvp_rank == 0:
+            logger.warning(
+                "Helix: capturing the decode step in CUDA graphs (--helix-enable-cuda-graph). Capture "
+                "and replay are verified on the CPU harness only, not yet on a GPU server "
+                "(docs/helix-flags.md)."
+            )
+        per_request = int(local_kv_len_upper_bound(max_context_len, self.kvp_size, self.chunk))
+        self.graph = HelixDecodeBuffers(max_bs, max_bs * per_request, self.kvp_size, self.device, fixed=True)
+        return self.graph.kv_indices
+
+    def prepare_in_graph(self, forward_batch) -> None:
+        """Graph capture (and warm-up): fill the graph buffers from the runner's static inputs."""
+        if self.graph is None:
+            raise RuntimeError("helix decode: init_graph_state was not called before capture")
+        self.metadata = self.fill(self.graph, forward_batch)

@@ -1,0 +1,410 @@
+"""The Helix decode step through the Triton backend's CUDA-graph code path, on the CPU.
+
+There is no CUDA graph on the CPU, so the test drives what the decode graph runner drives, in its
+order, and proves that re-running the Python of a captured step is what a replay would execute:
+
+- **capture** (per captured batch size, largest first): the runner's static inputs sliced to the
+  size, ``init_forward_metadata_out_graph(in_capture=True)``, then the captured body twice as warm-up
+  and once as "capture": ``init_forward_metadata_in_graph`` + the layer (``helix_attention``).
+- **replay**: the real batch copied into the static inputs, padded as the runner pads (``seq_len``
+  1, slot 0, write loc 0), ``init_forward_metadata_out_graph`` on the replay view, then the
+  captured body again.
+
+Guards, on every replay: (b) the body calls no ``.item()`` / ``.tolist()`` / ``.cpu()`` /
+``.numpy()`` and reads no device value on the host (``aten._local_scalar_dense``); every op and
+every kernel launch has the same shapes as at capture (so no allocation takes its shape from a
+host value) and every kernel argument the same address (the persistent buffers: a graph holds
+addresses), i.e. the op trace of each replay equals the capture's; (c) the step runs exactly one
+All-to-All per layer, as eager Helix does. And (a): the real rows of every replay equal eager Helix
+on the same batch bit for bit, and float64 attention over the whole context (what a plain-TP rank
+computes for those heads) within float32 rounding, over steps whose lengths change, with requests
+finishing and joining, at padded batch sizes.
+
+Two KVP ranks run as two threads in one process (one Triton kernel at a time: the interpreter is
+not thread-safe), with a two-party All-to-All between them; Triton kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are imported
+
+import threading  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
+
+if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
+    sys.path.insert(0, STUB_DIR)
+
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.helix import attention, comm, decode_state, kv_layout  # noqa: E402
+from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
+from sglang.srt.layers.helix.ownership import owner_rank  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: log(0) of empty KV
+
+KVP, CHUNK = 2, 2
+H, KVH, D = 4, 2, 16  # query heads per rank (Q/TPA), KV heads (GQA 2), head dim
+SLOTS, MAX_LEN = 6, 40
+CAPTURE_BS = (1, 2, 4)
+FILL_SEQ_LEN = 1  # TritonAttnBackend.get_cuda_graph_seq_len_fill_value()
+# (slot, seq_len) per request, per decode step: lengths grow, requests finish and join, and
+# the batch is padded to 2, 4, 2, 4, 1, 4 (captured sizes).
+STEPS = [
+    [(1, 5), (2, 9)],
+    [(1, 6), (2, 10), (3, 3)],
+    [(1, 7), (3, 4)],
+    [(1, 8), (3, 5), (4, 17), (5, 1)],
+    [(4, 18)],
+    [(4, 19), (2, 33), (5, 2)],
+]
+KERNELS = {  # module, attribute: the kernel launches of a Helix decode step
+    "decode_attention_fwd": attention,
+    "local_kv_indices_triton": decode_state,
+    "dcp_pack_a2a_send": comm,
+    "dcp_lse_combine_triton": comm,
+}
+
+
+class _TritonBackend(TritonAttnBackend):
+    """The fields of the Triton backend that Helix decode reads; its hooks are upstream's, patched."""
+
+    def __init__(self, pool, req_to_token, kvp_rank):
+        self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
+        self.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
+
+
+class _Exchange:
+    """A KVP-wide ``all_to_all_single`` between threads; one thread runs at a time (``turn``)."""
+
+    def __init__(self):
+        self.turn = threading.Lock()
+        self.barrier = threading.Barrier(KVP)
+        self.inputs = [None] * KVP
+        self.calls = [0] * KVP
+
+    def group(self, rank):
+        exchange = self
+
+        class Group:  # what comm.py uses of a GroupCoordinator
+            world_size = KVP
+
+            def all_to_all_single(self, output, input):
+                exchange.calls[rank] += 1
+                exchange.inputs[rank] = input
+                exchange.turn.release()
+                exchange.barrier.wait()
+                exchange.turn.acquire()
+                with _disable_current_modes():
+                    output.view(KVP, -1).copy_(torch.stack([x.view(KVP, -1)[rank] for x in exchange.inputs]))
+                exchange.turn.release()
+                exchange.barrier.wait()
+                exchange.turn.acquire()
+
+        return Group()
+
+
+class _Guard(TorchDispatchMode):
+    """Records every op (name, output shapes) and kernel launch (name, argument shapes and addresses);
+    fails on a host read of a device value."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("host read of a device value (.item() / int() / bool()) in the Helix decode step")
+        out = func(*args, **(kwargs or {}))
+        shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.trace.append((str(func), shapes))
+        return out
+
+
+_tls = threading.local()
+
+
+def _kernel(name, fn):
+    def launch(*args, **kwargs):
+        guard = getattr(_tls, "guard", None)
+        if guard is not None:
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            guard.trace.append((name, [(tuple(t.shape), t.data_ptr()) for t in leaves if isinstance(t, torch.Tensor)]))
+        _tls.in_kernel = True
+        try:
+            with _disable_current_modes():  # a kernel is one opaque launch, as on a GPU
+                return fn(*args, **kwargs)
+        finally:
+            _tls.in_kernel = False
+
+    return launch
+
+
+def _forbid(name):
+    original = getattr(torch.Tensor, name)
+
+    def method(self, *args, **kwargs):
+        if getattr(_tls, "guard", None) is not None and not getattr(_tls, "in_kernel", False):
+            raise AssertionError(f"Tensor.{name}() in the Helix decode step")
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+def _batch(reqs, req_to_token):
+    """An eager decode ForwardBatch (the fields Helix decode reads)."""
+    slots = torch.tensor([s for s, _ in reqs])
+    seq = torch.tensor([n for _, n in reqs])
+    return SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, batch_size=len(reqs), req_pool_indices=slots, seq_lens=seq,
+        seq_lens_cpu=seq, positions=seq - 1,
+        out_cache_loc=torch.stack([req_to_token[s, n - 1] for s, n in reqs]).long(),
+    )  # fmt: skip
+
+
+def _reference(q, keys, values, reqs, rank):
+    """float64 attention over the whole context, head slice ``rank`` of ``H``: ``[T, H/KVP, D]``."""
+    out = []
+    for t, (slot, seq) in enumerate(reqs):
+        kb = torch.stack(keys[slot][:seq]).double().repeat_interleave(H // KVH, dim=1)  # [L, H, D]
+        vb = torch.stack(values[slot][:seq]).double().repeat_interleave(H // KVH, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[t].double(), kb) * D**-0.5
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vb))
+    h = H // KVP
+    return torch.stack(out)[:, rank * h : (rank + 1) * h]
+
+
+def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
+    for name, module in KERNELS.items():
+        monkeypatch.setattr(module, name, _kernel(name, getattr(module, name)))
+    for name in ("item", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, _forbid(name))
+    monkeypatch.setattr(attention, "get_attn_backend", lambda: _tls.backend)
+    monkeypatch.setattr(attention, "get_helix_kvp_group", lambda: _tls.group)
+
+    g = torch.Generator().manual_seed(0)
+    page = CHUNK * KVP
+    req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)  # paged logical locs, page 0 reserved
+    for slot in range(SLOTS):
+        req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
+    rows = (SLOTS * MAX_LEN + 1) * CHUNK
+    pools = [MHATokenToKVPool(rows, 1, torch.float32, KVH, D, 1, "cpu", enable_memory_saver=False) for _ in range(KVP)]
+    backends = [_TritonBackend(pools[r], req_to_token, r) for r in range(KVP)]
+    layer = SimpleNamespace(
+        layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
+        k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None, logit_cap=0.0, sliding_window_size=-1,
+    )  # fmt: skip
+    keys = {s: [None] * MAX_LEN for s in range(SLOTS)}
+    values = {s: [None] * MAX_LEN for s in range(SLOTS)}
+
+    # The prompts' K/V, written where their owners keep them (a prefill did it).
+    for slot in range(SLOTS):
+        for pos in range(MAX_LEN):
+            keys[slot][pos] = torch.randn(KVH, D, generator=g)
+            values[slot][pos] = torch.randn(KVH, D, generator=g)
+        locs = req_to_token[slot].long()
+        write, _ = kv_layout.write_rows(locs, 0, KVP, CHUNK)
+        for pos in range(MAX_LEN):
+            buf = pools[owner_rank(pos, KVP, CHUNK)]
+            buf.get_key_buffer(0)[write[pos]] = keys[slot][pos]
+            buf.get_value_buffer(0)[write[pos]] = values[slot][pos]
+
+    # The runner's static inputs, shared by every captured size (sliced), and the graph state.
+    max_bs = max(CAPTURE_BS)
+    static = SimpleNamespace(
+        req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.full((max_bs,), FILL_SEQ_LEN),
+        out_cache_loc=torch.zeros(max_bs, dtype=torch.int64), q=torch.zeros(max_bs, H * D),
+        k=torch.zeros(max_bs, KVH * D), v=torch.zeros(max_bs, KVH * D),
+    )  # fmt: skip
+    for backend in backends:
+        backend.helix_decode.init_graph_state(max_bs, MAX_LEN)
+
+    def static_batch(bs):
+        return SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=static.req_pool_indices[:bs],
+            seq_lens=static.seq_lens[:bs], seq_lens_cpu=static.seq_lens[:bs], positions=static.seq_lens[:bs] - 1,
+            out_cache_loc=static.out_cache_loc[:bs],
+        )  # fmt: skip
+
+    def body(backend, batch):  # what the graph records: in-graph metadata prep + the layer
+        TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
+        bs = batch.batch_size
+        return attention.helix_attention(layer, static.q[:bs], static.k[:bs], static.v[:bs], batch)
+
+    exchange = _Exchange()
+    results = {}
+
+    def run_ranks(fn):
+        errors = []
+
+        def worker(rank):
+            _tls.backend, _tls.group = backends[rank], exchange.group(rank)
+            with exchange.turn:
+                try:
+                    results[rank] = fn(rank)
+                except BaseException as e:  # noqa: BLE001 -- reported below
+                    errors.append(e)
+                    exchange.barrier.abort()
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(KVP)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return [results[r] for r in range(KVP)]
+
+    # Capture, largest size first: out-of-graph prep, two warm-ups, the capture (traced).
+    captured = {}
+    for bs in sorted(CAPTURE_BS, reverse=True):
+
+        def capture(rank, bs=bs):
+            backend, batch = backends[rank], static_batch(bs)
+            TritonAttnBackend.init_forward_metadata_out_graph(backend, batch, in_capture=True)
+            for _ in range(2):
+                body(backend, batch)
+            _tls.guard = guard = _Guard()
+            with guard:
+                body(backend, batch)
+            _tls.guard = None
+            return guard.trace
+
+        captured[bs] = run_ranks(capture)
+        launched = {entry[0] for entry in captured[bs][0]}
+        assert set(KERNELS) <= launched and any(name.startswith("aten.") for name in launched), launched
+
+    for step, reqs in enumerate(STEPS):
+        raw_bs = len(reqs)
+        bs = min(b for b in CAPTURE_BS if b >= raw_bs)
+        q = torch.randn(raw_bs, H * D, generator=g)
+        k = torch.stack([keys[s][n - 1] for s, n in reqs]).reshape(raw_bs, -1)
+        v = torch.stack([values[s][n - 1] for s, n in reqs]).reshape(raw_bs, -1)
+        batch = _batch(reqs, req_to_token)
+
+        # Eager Helix: the backend's eager hook, then the layer on the real batch.
+        def eager(rank):
+            TritonAttnBackend.init_forward_metadata(backends[rank], batch)
+            calls = exchange.calls[rank]
+            out = attention.helix_attention(layer, q, k, v, batch).clone()
+            return out, exchange.calls[rank] - calls
+
+        eager_out = run_ranks(eager)
+
+        # Replay: copy in and pad as the runner does, the replay-side prep, the captured body.
+        static.req_pool_indices.zero_()
+        static.seq_lens.fill_(FILL_SEQ_LEN)
+        static.out_cache_loc.zero_()
+        static.q.zero_(), static.k.zero_(), static.v.zero_()
+        static.req_pool_indices[:raw_bs] = batch.req_pool_indices
+        static.seq_lens[:raw_bs] = batch.seq_lens
+        static.out_cache_loc[:raw_bs] = batch.out_cache_loc
+        static.q[:raw_bs], static.k[:raw_bs], static.v[:raw_bs] = q, k, v
+
+        def replay(rank):
+            view = static_batch(bs)
+            TritonAttnBackend.init_forward_metadata_out_graph(backends[rank], view)
+            calls = exchange.calls[rank]
+            _tls.guard = guard = _Guard()
+            with guard:
+                out = body(backends[rank], view)
+            _tls.guard = None
+            return out[:raw_bs].clone(), exchange.calls[rank] - calls, guard.trace
+
+        replayed = run_ranks(replay)
+
+        for rank in range(KVP):
+            out, a2a, trace = replayed[rank]
+            where = f"step {step} {reqs} (padded to {bs}), KVP rank {rank}"
+            assert trace == captured[bs][rank], f"{where}: the replayed step differs from the captured one"
+            assert a2a == eager_out[rank][1] == 1, f"{where}: {a2a} All-to-Alls, eager {eager_out[rank][1]}"
+            assert torch.equal(out, eager_out[rank][0]), f"{where}: graph path != eager"
+            ref = _reference(q.view(raw_bs, H, D), keys, values, reqs, rank)
+            torch.testing.assert_close(out.view(raw_bs, H // KVP, D).double(), ref, atol=2e-5, rtol=0, msg=where)
+
+
+@pytest.mark.parametrize("kvp,chunk", [(2, 2), (4, 2), (3, 5), (8, 64)])
+def test_local_kv_indices_kernel_equals_kv_layout(kvp, chunk):
+    """The list builder's kernel writes exactly ``kv_layout.local_kv_indices``' lists, in place,
+    for every rank (empty lists included), and nothing past them."""
+    page, max_len = chunk * kvp, 300
+    req_to_token = torch.zeros(5, max_len, dtype=torch.int32)
+    for slot in range(5):
+        req_to_token[slot] = page * (1 + slot * (max_len // page + 1)) + torch.arange(max_len, dtype=torch.int32)
+    slots, lens = torch.tensor([3, 0, 4, 1, 2]), torch.tensor([1, 7, 299, 130, 0])
+    for rank in range(kvp):
+        total = kv_layout.total_local_len(lens, rank, kvp, chunk)
+        indptr, indices, local_lens = kv_layout.local_kv_indices(req_to_token, slots, lens, total, rank, kvp, chunk)
+        out = torch.full((total + 50,), -1, dtype=torch.int64)
+        decode_state.local_kv_indices_triton(req_to_token, slots, indptr, out, rank, kvp, chunk)
+        assert torch.equal(out[:total], indices) and bool((out[total:] == -1).all()), rank
+
+
+def test_eager_buffers_grow_and_are_reused():
+    """Eager decode fills growable buffers: reused while a batch fits, grown (at least doubled)
+    when one does not; the lists always equal kv_layout's."""
+    page = CHUNK * KVP
+    req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)
+    for slot in range(SLOTS):
+        req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
+    state = HelixDecodeState(req_to_token, 1, KVP, CHUNK)
+    seen = []
+    for reqs in STEPS:
+        batch = _batch(reqs, req_to_token)
+        state.prepare_eager(batch)
+        meta = state.metadata
+        seen.append(state.eager)
+        total = kv_layout.total_local_len(batch.seq_lens_cpu, 1, KVP, CHUNK)
+        indptr, indices, _ = kv_layout.local_kv_indices(
+            req_to_token, batch.req_pool_indices, batch.seq_lens, total, 1, KVP, CHUNK
+        )
+        assert torch.equal(meta.kv_indptr, indptr) and torch.equal(meta.kv_indices[:total], indices)
+        rows, owned = kv_layout.write_rows(batch.out_cache_loc, 1, KVP, CHUNK)
+        assert torch.equal(meta.write_rows, torch.where(owned, rows, decode_state.TRASH_ROW))
+        assert state.eager.capacity >= total and state.eager.max_bs >= len(reqs)
+    assert 1 < len({id(b) for b in seen}) < len(STEPS)  # grown, and reused in between
+
+
+def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):
+    """``parallel_state.graph_capture`` (the decode graph runner's capture context) enters the KVP
+    group too, as it enters the DCP group: that turns its pynccl on, so the All-to-All is captured
+    through pynccl rather than torch.distributed. The TPA group has no collective at run time."""
+    from contextlib import contextmanager
+
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers.helix import groups
+
+    entered = []
+
+    class Group:
+        def __init__(self, name):
+            self.name = name
+
+        @contextmanager
+        def graph_capture(self, context=None, stream=None):
+            entered.append(self.name)
+            yield context if context is not None else SimpleNamespace(stream=stream)
+
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group("tp"))
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: Group("pp"))
+    for name in ("_DCP", "_ATTN_TP", "_SHARED_EXPERTS_TP", "_MOE_EP", "_MOE_TP"):
+        monkeypatch.setattr(parallel_state, name, None)
+    with parallel_state.graph_capture():
+        pass
+    assert entered == ["tp", "pp"]  # Helix off: as upstream
+
+    entered.clear()
+    monkeypatch.setitem(groups._GROUPS, "helix_kvp_group", Group("helix_kvp"))
+    monkeypatch.setitem(groups._GROUPS, "helix_tpa_group", Group("helix_tpa"))
+    with parallel_state.graph_capture():
+        pass
+    assert entered == ["tp", "pp", "helix_kvp"]
