@@ -5,8 +5,9 @@
     TRITON_INTERPRET=1 python benchmark/gpu_kernels.py --cpu-smoke   # the same code on the CPU, tiny
 
 Needs only torch, triton and the series' kernel sources: sglang's Triton decode kernel (with patch
-0002's merged-LSE output), upstream's DCP pack/combine kernels and the Helix modules ``comm`` and
-``ownership``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
+0002's merged-LSE output), upstream's DCP pack/combine kernels and split heuristic
+(``kernels/ops/attention/metadata.py``) and the Helix modules ``comm``, ``ownership``,
+``kv_layout`` and ``decode_state``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
 (see ../shared/notes/gpu-machine.md); that folder goes first on ``sys.path``. No server, no
 network. Without a GPU (and without ``--cpu-smoke``) it says so and exits 0.
 
@@ -20,7 +21,11 @@ is a device copy of the packed buffers, and each rank merges its head slice. Che
 - capturable: the whole step captured in a CUDA graph and replayed gives the eager result;
 - timed (``triton.testing.do_bench``, and graph replay): one Helix rank's step (its shard's
   decode + pack + merge) against plain TP's per-rank attention at the same N = KVP x TPA (Q/N
-  query heads, max(1, K/N) KV heads over the whole context).
+  query heads, max(1, K/N) KV heads over the whole context);
+- bandwidth: the KV bytes each rank's decode reads over its time, in GB/s and in percent of the
+  device's measured copy bandwidth (read + write of 512 MiB), for Helix and plain TP, with
+  Helix's per-request split policy (``decode_state.num_kv_splits_by_local_len``) on and off
+  (``--split-policy``; off = ``--splits`` for every request).
 
 Prints one row per (context, batch, KVP) and writes the rows as JSON (``--json``, or under $OUT).
 """
@@ -48,6 +53,21 @@ def _kernels():
     return decode_attention_fwd, comm, owner_rank
 
 
+def split_counts(lens: torch.Tensor, heads: int, kv_heads: int, splits: int, policy: bool, cores: int):
+    """``(num_kv_splits [B], max_kv_splits)``: the decode kernel's split setting for requests of
+    ``lens`` KV tokens. Off: ``splits`` for every request (SGLang's default, 8). On: Helix's
+    per-request policy (``decode_state.num_kv_splits_by_local_len``, capped at
+    ``max(splits, HELIX_MAX_KV_SPLITS)``) for ``cores`` SMs."""
+    num = torch.full(lens.shape, splits, dtype=torch.int32, device=lens.device)
+    if not policy:
+        return num, splits
+    from sglang.srt.layers.helix import decode_state
+
+    cap = max(splits, decode_state.HELIX_MAX_KV_SPLITS)
+    decode_state.num_kv_splits_by_local_len(num, lens, heads, kv_heads, cap, cores)
+    return num, cap
+
+
 def shard_positions(context: int, kvp: int, chunk: int, owner_rank) -> list:
     """Global positions each KVP rank owns, in order (round-robin chunks)."""
     pos = torch.arange(context)
@@ -58,25 +78,28 @@ def shard_positions(context: int, kvp: int, chunk: int, owner_rank) -> list:
 class HelixGroupStep:
     """Static buffers and the step of one KVP group (one TPA slice), for eager runs and capture."""
 
-    def __init__(self, q, k, v, kvp: int, chunk: int, splits: int):
+    def __init__(self, q, k, v, kvp: int, chunk: int, splits: int, policy: bool = False, cores: int = 0):
         decode, comm, owner_rank = _kernels()
         self.decode, self.comm = decode, comm
         B, H, D = q.shape
-        self.B, self.H, self.D, self.kvp, self.splits = B, H, D, kvp, splits
+        self.B, self.H, self.D, self.kvp = B, H, D, kvp
         self.q = q
         self.scale = D**-0.5
-        self.shards = []
+        self.shards, self.split_counts, self.kv_bytes = [], [], []
         for positions in shard_positions(k.shape[1], kvp, chunk, owner_rank):
             n = positions.numel()
+            lens = torch.full((B,), n, dtype=torch.int64, device=q.device)
+            num_splits, self.splits = split_counts(lens, H, k.shape[2], splits, policy, cores)
+            self.split_counts.append(int(num_splits[0]))
+            self.kv_bytes.append(2 * B * n * k.shape[2] * D * k.element_size())  # K and V it reads
             kb = k[:, positions].reshape(B * n, k.shape[2], D).contiguous()  # rows of this shard
             vb = v[:, positions].reshape(B * n, v.shape[2], D).contiguous()
             indptr = torch.arange(B + 1, device=q.device, dtype=torch.int32) * n
             indices = torch.arange(B * n, device=q.device, dtype=torch.int64)
             out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
             lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
-            logits = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
-            split_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-            num_splits = torch.full((B,), splits, dtype=torch.int32, device=q.device)
+            logits = torch.empty(B, H, self.splits, D, dtype=torch.float32, device=q.device)
+            split_lse = torch.empty(B, H, self.splits, dtype=torch.float32, device=q.device)
             shape = comm.a2a_buffer_shape(B, H, D, q.dtype, kvp)
             send = torch.empty(shape, dtype=q.dtype, device=q.device)
             self.shards.append((kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send))
@@ -118,9 +141,9 @@ def reference(q, k, v) -> torch.Tensor:
     return torch.einsum("bhs,bshd->bhd", s.softmax(-1), vv)
 
 
-def plain_tp_rank(q, k, v, n_heads: int, kv_heads: int, splits: int):
+def plain_tp_rank(q, k, v, n_heads: int, kv_heads: int, splits: int, policy: bool = False, cores: int = 0):
     """Plain TP's per-rank attention: ``n_heads`` query heads over the whole context with
-    ``kv_heads`` KV heads (KV replicated once N > K)."""
+    ``kv_heads`` KV heads (KV replicated once N > K). ``(step, KV bytes it reads, splits)``."""
     decode, _, _ = _kernels()
     B, S, _, D = k.shape
     qq = q[:, :n_heads].contiguous()
@@ -129,22 +152,39 @@ def plain_tp_rank(q, k, v, n_heads: int, kv_heads: int, splits: int):
     indptr = torch.arange(B + 1, device=q.device, dtype=torch.int32) * S
     indices = torch.arange(B * S, device=q.device, dtype=torch.int64)
     out = torch.empty(B, n_heads, D, dtype=q.dtype, device=q.device)
-    logits = torch.empty(B, n_heads, splits, D, dtype=torch.float32, device=q.device)
-    split_lse = torch.empty(B, n_heads, splits, dtype=torch.float32, device=q.device)
-    num_splits = torch.full((B,), splits, dtype=torch.int32, device=q.device)
-    return lambda: decode(qq, kb, vb, out, indptr, indices, logits, split_lse, num_splits, splits, D**-0.5, 1.0, 1.0)
+    lens = torch.full((B,), S, dtype=torch.int64, device=q.device)
+    num_splits, max_splits = split_counts(lens, n_heads, kv_heads, splits, policy, cores)
+    logits = torch.empty(B, n_heads, max_splits, D, dtype=torch.float32, device=q.device)
+    split_lse = torch.empty(B, n_heads, max_splits, dtype=torch.float32, device=q.device)
+
+    def step():
+        decode(qq, kb, vb, out, indptr, indices, logits, split_lse, num_splits, max_splits, D**-0.5, 1.0, 1.0)
+
+    return step, 2 * B * S * kv_heads * D * k.element_size(), int(num_splits[0])
 
 
-def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtype, device, timing: bool) -> dict:
+def copy_bandwidth_gbps(device) -> float:
+    """The device's copy bandwidth (read + write bytes per second) over 512 MiB, in GB/s."""
+    from triton.testing import do_bench
+
+    x = torch.empty(1 << 28, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x))
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+
+
+def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtype, device, timing: bool,
+             policy: bool = False, cores: int = 0, copy_gbps: float = 0.0) -> dict:  # fmt: skip
     g = torch.Generator(device="cpu").manual_seed(context + batch + kvp)
     q = torch.randn(batch, heads, head_dim, generator=g).to(device, dtype)
     k = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
     v = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
-    step = HelixGroupStep(q, k, v, kvp, chunk, splits)
+    step = HelixGroupStep(q, k, v, kvp, chunk, splits, policy, cores)
     eager = step().clone()
     err = (eager.double() - reference(q, k, v)).abs().max().item()
     row = {"context": context, "batch": batch, "kvp": kvp, "heads": heads, "kv_heads": kv_heads,
-           "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "max_abs_err_vs_fp64": err}  # fmt: skip
+           "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "split_policy": "on" if policy else "off",
+           "helix_splits": step.split_counts[0], "max_abs_err_vs_fp64": err}  # fmt: skip
     if device == "cuda":
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
@@ -160,11 +200,22 @@ def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtyp
             step.rank_decode_pack(0)
             step.rank_merge(0)
 
+        def rank_decode():  # rank 0's decode alone: what reads the KV
+            step.rank_decode_pack(0)
+
         # Plain TP at N = KVP x TPA: Q/N = H/KVP query heads, max(1, K/N) = max(1, KH/KVP) KV heads.
-        tp = plain_tp_rank(q, k, v, max(1, heads // kvp), max(1, kv_heads // kvp), splits)
+        tp, tp_bytes, row["plain_tp_splits"] = plain_tp_rank(
+            q, k, v, max(1, heads // kvp), max(1, kv_heads // kvp), splits, policy, cores
+        )
         row["helix_rank_us"] = do_bench(one_rank) * 1e3
+        row["helix_decode_us"] = do_bench(rank_decode) * 1e3
         row["plain_tp_rank_us"] = do_bench(tp) * 1e3
         row["speedup"] = row["plain_tp_rank_us"] / row["helix_rank_us"]
+        # KV read bandwidth: the bytes each rank's decode reads over its time.
+        row["helix_gbps"] = step.kv_bytes[0] / (row["helix_decode_us"] * 1e-6) / 1e9
+        row["plain_tp_gbps"] = tp_bytes / (row["plain_tp_rank_us"] * 1e-6) / 1e9
+        row["helix_pct_of_copy"] = 100 * row["helix_gbps"] / copy_gbps
+        row["plain_tp_pct_of_copy"] = 100 * row["plain_tp_gbps"] / copy_gbps
     return row
 
 
@@ -177,7 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=1, help="K/TPA KV heads of one TPA slice")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--chunk", type=int, default=64, help="--helix-kvp-chunk-size")
-    p.add_argument("--splits", type=int, default=8, help="KV splits of the decode kernel")
+    p.add_argument("--splits", type=int, default=8, help="KV splits of the decode kernel (policy off)")
+    p.add_argument("--split-policy", default="on,off", help="Helix's per-request split policy: on, off or both")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -187,24 +239,31 @@ def main(argv=None) -> int:
         device, dtype, timing = "cpu", torch.float32, False
         contexts, batches, kvps = [200], [2], [2, 4]
         args.head_dim, args.chunk, args.splits = 16, 8, 2
+        cores, copy_gbps = 132, 0.0  # an H100's SM count, so the split policy runs
     elif not torch.cuda.is_available():
         print("gpu_kernels: no GPU here (torch.cuda.is_available() is False); nothing to run.")
         return 0
     else:
         device, dtype, timing = "cuda", torch.bfloat16, True
         contexts, batches, kvps = ([int(x) for x in s.split(",")] for s in (args.context, args.batch, args.kvp))
+        cores = torch.cuda.get_device_properties(0).multi_processor_count
+        copy_gbps = copy_bandwidth_gbps(device)
+        print(json.dumps({"device": torch.cuda.get_device_name(0), "copy_gbps": copy_gbps}), flush=True)
+    policies = [{"on": True, "off": False}[x] for x in args.split_policy.split(",")]
     rows = []
     for context in contexts:
         for batch in batches:
             for kvp in kvps:
-                row = run_case(context, batch, kvp, args.heads, args.kv_heads, args.head_dim, args.chunk,
-                               args.splits, dtype, device, timing)  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for policy in policies:
+                    row = run_case(context, batch, kvp, args.heads, args.kv_heads, args.head_dim, args.chunk,
+                                   args.splits, dtype, device, timing, policy, cores, copy_gbps)  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     out = args.json or (os.path.join(os.environ["OUT"], "gpu_kernels.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                       "copy_gbps": copy_gbps, "rows": rows}, f, indent=1)  # fmt: skip
     bad = [r for r in rows if r["max_abs_err_vs_fp64"] > (2e-2 if dtype == torch.bfloat16 else 1e-4) or r.get("graph_equals_eager") is False]
     if bad:
         print(f"gpu_kernels: {len(bad)} case(s) failed the checks", file=sys.stderr)

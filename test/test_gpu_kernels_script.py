@@ -1,6 +1,6 @@
 """benchmark/gpu_kernels.py, the one-GPU kernel check, on the CPU: the emulated KVP group step
 (decode with merged LSE per shard, pack, exchange as a copy, merge) against float64 under the
-Triton interpreter at tiny shapes, and a clean exit where there is no GPU."""
+Triton interpreter at tiny shapes, with the per-request split policy on and off, and a clean exit where there is no GPU."""
 
 import json
 import os
@@ -26,8 +26,10 @@ def test_cpu_smoke_is_exact(tmp_path):
     r = _run(["--cpu-smoke", "--json", str(out)], interpret=True)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["kvp"] for row in rows] == [2, 4]
+    assert [(row["kvp"], row["split_policy"]) for row in rows] == [(2, "on"), (2, "off"), (4, "on"), (4, "off")]
     assert all(row["max_abs_err_vs_fp64"] < 1e-5 for row in rows), rows
+    # 100 and 50 local tokens: one split with the policy (< HELIX_MIN_TOKENS_PER_SPLIT), --splits 2 without
+    assert [row["helix_splits"] for row in rows] == [1, 2, 1, 2], rows
 
 
 def test_without_a_gpu_it_says_so_and_exits_0():

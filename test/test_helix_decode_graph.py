@@ -13,12 +13,14 @@ order, and proves that re-running the Python of a captured step is what a replay
 Guards, on every replay: (b) the body calls no ``.item()`` / ``.tolist()`` / ``.cpu()`` /
 ``.numpy()`` and reads no device value on the host (``aten._local_scalar_dense``); every op and
 every kernel launch has the same shapes as at capture (so no allocation takes its shape from a
-host value) and every kernel argument the same address (the persistent buffers: a graph holds
-addresses), i.e. the op trace of each replay equals the capture's; (c) the step runs exactly one
+host value), and every kernel argument not allocated inside the body is at its captured address
+(the persistent buffers and static inputs: a graph holds addresses), i.e. the op trace of each
+replay equals the capture's; the captured body launches every kernel of the step (the lists are
+built inside the graph, not before it); (c) the step runs exactly one
 All-to-All per layer, as eager Helix does. And (a): the real rows of every replay equal eager Helix
-on the same batch bit for bit, and float64 attention over the whole context (what a plain-TP rank
-computes for those heads) within float32 rounding, over steps whose lengths change, with requests
-finishing and joining, at padded batch sizes.
+on the same batch bit for bit (the per-request split counts too), and float64 attention over the
+whole context (what a plain-TP rank computes for those heads) within float32 rounding, over steps
+whose lengths change, with requests finishing and joining, at padded batch sizes.
 
 Two KVP ranks run as two threads in one process (one Triton kernel at a time: the interpreter is
 not thread-safe), with a two-party All-to-All between them; Triton kernels under the interpreter.
@@ -70,6 +72,7 @@ STEPS = [
 KERNELS = {  # module, attribute: the kernel launches of a Helix decode step
     "decode_attention_fwd": attention,
     "local_kv_indices_triton": decode_state,
+    "get_num_kv_splits_triton": decode_state,  # launched as kernel[grid](...)
     "dcp_pack_a2a_send": comm,
     "dcp_lse_combine_triton": comm,
 }
@@ -80,6 +83,8 @@ class _TritonBackend(TritonAttnBackend):
 
     def __init__(self, pool, req_to_token, kvp_rank):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
+        # An H100's SM count: the per-request split policy runs (kv_split_policy).
+        self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 132, None
         self.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
 
 
@@ -114,39 +119,83 @@ class _Exchange:
 
 
 class _Guard(TorchDispatchMode):
-    """Records every op (name, output shapes) and kernel launch (name, argument shapes and addresses);
-    fails on a host read of a device value."""
+    """Records every op (name, output shapes) and kernel launch (name, argument shapes, and where
+    each argument lives); fails on a host read of a device value.
+
+    Where an argument lives, as a CUDA graph sees it: a tensor allocated inside the captured body
+    is replayed at its captured address (the graph's pool), so it is recorded by allocation order;
+    any other tensor (a persistent buffer, a static input, the KV pool) must be at the same
+    address at replay as at capture, so it is recorded by address.
+    """
 
     def __init__(self):
         super().__init__()
         self.trace = []
+        self.fresh = {}  # storage address -> allocation order (the latest there), allocated in the body
+        self.allocations = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             raise AssertionError("host read of a device value (.item() / int() / bool()) in the Helix decode step")
         out = func(*args, **(kwargs or {}))
-        shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.trace.append((str(func), shapes))
+        inputs = {_storage(t) for t in _tensors((args, kwargs))}
+        outputs = _tensors(out)
+        for t in outputs:
+            if _storage(t) not in inputs:  # not a view or an in-place / out= result: an allocation
+                self.allocated(t)
+        self.trace.append((str(func), [tuple(t.shape) for t in outputs]))
         return out
+
+    def allocated(self, t):
+        self.fresh[_storage(t)] = self.allocations  # an address freed and reused is a new allocation
+        self.allocations += 1
+
+    def where(self, t):
+        storage = _storage(t)
+        if storage in self.fresh:
+            return ("allocated in the body", self.fresh[storage], t.data_ptr() - storage)
+        return ("address", t.data_ptr())
+
+
+def _tensors(tree):
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
 
 
 _tls = threading.local()
 
 
 def _kernel(name, fn):
+    if hasattr(fn, "__getitem__"):  # a @triton.jit kernel: kernel[grid](...)
+        return _JitKernel(name, fn)
+
     def launch(*args, **kwargs):
         guard = getattr(_tls, "guard", None)
         if guard is not None:
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            guard.trace.append((name, [(tuple(t.shape), t.data_ptr()) for t in leaves if isinstance(t, torch.Tensor)]))
+            guard.trace.append((name, [(tuple(t.shape), guard.where(t)) for t in _tensors((args, kwargs))]))
         _tls.in_kernel = True
         try:
             with _disable_current_modes():  # a kernel is one opaque launch, as on a GPU
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
         finally:
             _tls.in_kernel = False
+        if guard is not None:  # what the launcher allocated (e.g. the merge's output)
+            for t in _tensors(out):
+                guard.allocated(t)
+        return out
 
     return launch
+
+
+class _JitKernel:
+    def __init__(self, name, kernel):
+        self.name, self.kernel = name, kernel
+
+    def __getitem__(self, grid):
+        return _kernel(self.name, self.kernel[grid])
 
 
 def _forbid(name):
@@ -184,6 +233,9 @@ def _reference(q, keys, values, reqs, rank):
 
 
 def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
+    # The split policy at these tiny lengths: up to 8 splits, one per 2 local tokens.
+    monkeypatch.setattr(decode_state, "HELIX_MAX_KV_SPLITS", 8)
+    monkeypatch.setattr(decode_state, "HELIX_MIN_TOKENS_PER_SPLIT", 2)
     for name, module in KERNELS.items():
         monkeypatch.setattr(module, name, _kernel(name, getattr(module, name)))
     for name in ("item", "tolist", "cpu", "numpy"):
@@ -283,6 +335,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         launched = {entry[0] for entry in captured[bs][0]}
         assert set(KERNELS) <= launched and any(name.startswith("aten.") for name in launched), launched
 
+    split_counts = set()
     for step, reqs in enumerate(STEPS):
         raw_bs = len(reqs)
         bs = min(b for b in CAPTURE_BS if b >= raw_bs)
@@ -296,7 +349,8 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata(backends[rank], batch)
             calls = exchange.calls[rank]
             out = attention.helix_attention(layer, q, k, v, batch).clone()
-            return out, exchange.calls[rank] - calls
+            splits = backends[rank].helix_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
+            return out, exchange.calls[rank] - calls, splits
 
         eager_out = run_ranks(eager)
 
@@ -318,18 +372,22 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             with guard:
                 out = body(backends[rank], view)
             _tls.guard = None
-            return out[:raw_bs].clone(), exchange.calls[rank] - calls, guard.trace
+            splits = backends[rank].helix_decode.graph._workspace[1][2][:raw_bs].clone()
+            return out[:raw_bs].clone(), exchange.calls[rank] - calls, guard.trace, splits
 
         replayed = run_ranks(replay)
 
         for rank in range(KVP):
-            out, a2a, trace = replayed[rank]
+            out, a2a, trace, splits = replayed[rank]
             where = f"step {step} {reqs} (padded to {bs}), KVP rank {rank}"
             assert trace == captured[bs][rank], f"{where}: the replayed step differs from the captured one"
             assert a2a == eager_out[rank][1] == 1, f"{where}: {a2a} All-to-Alls, eager {eager_out[rank][1]}"
             assert torch.equal(out, eager_out[rank][0]), f"{where}: graph path != eager"
+            assert torch.equal(splits, eager_out[rank][2]), f"{where}: splits {splits} != eager {eager_out[rank][2]}"
+            split_counts.update(splits.tolist())
             ref = _reference(q.view(raw_bs, H, D), keys, values, reqs, rank)
             torch.testing.assert_close(out.view(raw_bs, H // KVP, D).double(), ref, atol=2e-5, rtol=0, msg=where)
+    assert len(split_counts) >= 3, split_counts  # the per-request split policy was exercised
 
 
 @pytest.mark.parametrize("kvp,chunk", [(2, 2), (4, 2), (3, 5), (8, 64)])
@@ -372,6 +430,44 @@ def test_eager_buffers_grow_and_are_reused():
         assert torch.equal(meta.write_rows, torch.where(owned, rows, decode_state.TRASH_ROW))
         assert state.eager.capacity >= total and state.eager.max_bs >= len(reqs)
     assert 1 < len({id(b) for b in seen}) < len(STEPS)  # grown, and reused in between
+
+
+def _splits(lens, cores=132, num_heads=8, num_kv_heads=1, cap=decode_state.HELIX_MAX_KV_SPLITS):
+    out = torch.zeros(len(lens), dtype=torch.int32)
+    decode_state.num_kv_splits_by_local_len(out, torch.tensor(lens), num_heads, num_kv_heads, cap, cores)
+    return out.tolist()
+
+
+def test_split_policy_per_request_from_local_length():
+    """Upstream's split heuristic fed with local KV lengths (Llama-70B per-rank heads, an H100's
+    SM count), at most one split per HELIX_MIN_TOKENS_PER_SPLIT tokens: monotone in a request's
+    length, capped, per request (a short request next to a long one is not split like it), and
+    upstream's fixed count where the SM count is unknown (the CPU)."""
+    cap, per_split = decode_state.HELIX_MAX_KV_SPLITS, decode_state.HELIX_MIN_TOKENS_PER_SPLIT
+    lengths = [0, 1, 64, 255, 256, 257, 1000, 4096, 8192, 16384, 65536, 131072, 524288, 1 << 20]
+    alone = [_splits([n])[0] for n in lengths]
+    assert alone == sorted(alone) and 1 <= min(alone) and max(alone) == cap, alone
+    assert all(s <= max(1, -(-n // per_split)) for n, s in zip(lengths, alone)), alone
+    assert alone[lengths.index(131072)] == cap  # batch 1, a long shard: every split the cap allows
+    long, short, mid = _splits([524288, 100, 300000])
+    assert long == cap and short == 1 and 1 < mid <= cap
+    many = _splits([2000] * 32)
+    assert len(set(many)) == 1 and many[0] < _splits([2000])[0] + 1
+    assert _splits([524288, 100], cores=0, cap=8) == [8, 8]
+
+
+def test_split_policy_follows_the_backend_settings():
+    backend = SimpleNamespace(max_kv_splits=8, static_kv_splits=False, device_core_count=132, split_tile_size=None)
+    assert decode_state.kv_split_policy(backend) == (decode_state.HELIX_MAX_KV_SPLITS, 132)
+    backend.max_kv_splits = 128  # --triton-attention-num-kv-splits 128: a higher cap is kept
+    assert decode_state.kv_split_policy(backend) == (128, 132)
+    for static in (
+        dict(device_core_count=0),  # the CPU
+        dict(static_kv_splits=True),  # SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS
+        dict(split_tile_size=256),  # deterministic inference: fixed tiles
+    ):
+        b = SimpleNamespace(**{**vars(backend), "max_kv_splits": 8, **static})
+        assert decode_state.kv_split_policy(b) == (8, 0), static
 
 
 def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):

@@ -65,6 +65,7 @@ class _TritonBackend(TritonAttnBackend):
 
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
+        self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
 
 
 class _TorchNativeBackend(TorchNativeAttnBackend):

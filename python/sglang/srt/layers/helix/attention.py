@@ -38,7 +38,13 @@ from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.srt.layers.helix import kv_layout
 from sglang.srt.layers.helix.comm import helix_a2a_merge, merge_partials
-from sglang.srt.layers.helix.decode_state import TRASH_ROW, HelixDecodeMetadata, HelixDecodeState
+from sglang.srt.layers.helix.decode_state import (
+    TRASH_ROW,
+    HelixDecodeMetadata,
+    HelixDecodeState,
+    kv_split_policy,
+    num_kv_splits_by_local_len,
+)
 from sglang.srt.layers.helix.groups import get_helix_kvp_group
 from sglang.srt.layers.helix.ownership import owner_rank
 from sglang.srt.model_executor.forward_context import get_attn_backend
@@ -288,15 +294,18 @@ def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
 
     Everything it touches lives in ``meta.buffers`` (persistent): ``out [T, Q/TPA, Dv]``, ``lse
     [T, Q/TPA]`` and the ``(send, recv)`` buffers of the exchange that follows. No host value,
-    no allocation: capturable.
+    no allocation: capturable. Splits per request from the local KV lengths (``kv_split_policy``).
     """
     _check_layer(layer)
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape
-    splits = backend.max_kv_splits
+    splits, core_count = kv_split_policy(backend)
     attn_logits, attn_lse, num_kv_splits, out, lse, send, recv = meta.buffers.workspace(
         T, H, layer.v_head_dim, q.dtype, splits
     )
+    if not meta.splits_ready:  # once per batch, by its first layer (recorded once in a graph)
+        num_kv_splits_by_local_len(num_kv_splits, meta.local_lens, H, layer.tp_k_head_num, splits, core_count)
+        meta.splits_ready = True
     decode_attention_fwd(
         q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, attn_logits, attn_lse,
         num_kv_splits, splits, layer.scaling, k_descale, v_descale, output_lse=lse,

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 from sglang.srt.layers.helix import kv_layout
 from sglang.srt.layers.helix.comm import a2a_buffer_shape
 from sglang.srt.layers.helix.ownership import local_kv_len, local_kv_len_upper_bound
@@ -50,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
 _BLOCK = 128  # local positions per loop iteration of the list builder
+# Split cap of the per-request split policy (a GPU): at batch 1 a rank's shard of a long context
+# needs far more than upstream's default 8 splits to fill the SMs (docs/helix-design.md).
+HELIX_MAX_KV_SPLITS = 64
+# ... and at least this many KV tokens per split: upstream's heuristic alone spreads a lone short
+# request over every split (64 tokens over 64 splits), where the stage-2 reduction costs more.
+HELIX_MIN_TOKENS_PER_SPLIT = 256
 
 
 @triton.jit
@@ -103,6 +110,47 @@ def local_kv_indices_triton(
         )  # fmt: skip
 
 
+def kv_split_policy(backend) -> Tuple[int, int]:
+    """``(max_kv_splits, device_core_count)`` of Helix decode on ``backend`` (a TritonAttnBackend).
+
+    With the SM count known and no static or tiled split setting, the split count is chosen per
+    request from its local KV length, up to ``max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS)``;
+    otherwise (the CPU, ``SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS``, deterministic tiles) every
+    request gets the backend's ``max_kv_splits`` (core count returned as 0).
+    """
+    if backend.static_kv_splits or backend.device_core_count <= 0 or backend.split_tile_size is not None:
+        return backend.max_kv_splits, 0
+    return max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS), backend.device_core_count
+
+
+def num_kv_splits_by_local_len(
+    num_kv_splits: torch.Tensor,
+    local_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    max_kv_splits: int,
+    device_core_count: int,
+) -> None:
+    """Fill ``num_kv_splits [B]`` on the device from the requests' *local* KV lengths ``[B]``.
+
+    Upstream's heuristic (``get_num_kv_splits_triton``, the Triton backend's own) fed with what
+    this rank reads: a request's splits grow with its own length, the SM count and the batch's
+    spread, so a short request next to a long one gets few; then at most one split per
+    ``HELIX_MIN_TOKENS_PER_SPLIT`` local tokens (at least 1). ``device_core_count <= 0``: all
+    ``max_kv_splits``. Shapes from ``[B]`` only: capturable.
+    """
+    if device_core_count <= 0:
+        num_kv_splits.fill_(max_kv_splits)
+        return
+    batch = local_lens.shape[0]
+    get_num_kv_splits_triton[(1,)](
+        num_kv_splits, local_lens.clamp_min(1), batch, 1, num_heads, num_kv_heads, max_kv_splits,
+        device_core_count, MAX_NUM_SEQ=256 if batch < 256 else triton.next_power_of_2(batch),
+    )  # fmt: skip
+    by_length = (local_lens + HELIX_MIN_TOKENS_PER_SPLIT - 1) // HELIX_MIN_TOKENS_PER_SPLIT
+    torch.minimum(num_kv_splits, by_length.clamp_min(1).to(num_kv_splits.dtype), out=num_kv_splits)
+
+
 @dataclass
 class HelixDecodeMetadata:
     """One decode batch's lists (views into the persistent buffers)."""
@@ -110,7 +158,9 @@ class HelixDecodeMetadata:
     write_rows: torch.Tensor  # [T]
     kv_indptr: torch.Tensor  # [B+1]
     kv_indices: torch.Tensor  # [capacity]
+    local_lens: torch.Tensor  # [B] this rank's KV length per request
     buffers: "HelixDecodeBuffers"
+    splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
 
 
 class HelixDecodeBuffers:
@@ -209,7 +259,7 @@ class HelixDecodeState:
         local_kv_indices_triton(
             self.req_to_token, forward_batch.req_pool_indices, kv_indptr, buffers.kv_indices, k, n, c
         )
-        return HelixDecodeMetadata(write_rows, kv_indptr, buffers.kv_indices, buffers)
+        return HelixDecodeMetadata(write_rows, kv_indptr, buffers.kv_indices, local_lens, buffers)
 
     # -- eager ----------------------------------------------------------------------------
 
