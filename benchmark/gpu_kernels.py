@@ -25,7 +25,9 @@ is a device copy of the packed buffers, and each rank merges its head slice. Che
 - bandwidth: the KV bytes each rank's decode reads over its time, in GB/s and in percent of the
   device's measured copy bandwidth (read + write of 512 MiB), for Helix and plain TP, with
   Helix's per-request split policy (``decode_state.num_kv_splits_by_local_len``) on and off
-  (``--split-policy``; off = ``--splits`` for every request).
+  (``--split-policy``; off = ``--splits`` for every request);
+- fused: stage 2 writing the All-to-All send buffer itself (patch 0014, what Helix attention
+  runs; ``helix_rank_us``) against stage 2 + the pack kernel (``helix_rank_unfused_us``).
 
 Prints one row per (context, batch, KVP) and writes the rows as JSON (``--json``, or under $OUT).
 """
@@ -83,6 +85,7 @@ class HelixGroupStep:
         self.decode, self.comm = decode, comm
         B, H, D = q.shape
         self.B, self.H, self.D, self.kvp = B, H, D, kvp
+        self.fused = True
         self.q = q
         self.scale = D**-0.5
         self.shards, self.split_counts, self.kv_bytes = [], [], []
@@ -109,9 +112,12 @@ class HelixGroupStep:
 
     def rank_decode_pack(self, r: int) -> None:
         kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send = self.shards[r]
+        if self.fused:  # stage 2 writes the send buffer (patch 0014), as Helix attention does
+            out, lse = self.comm.send_views(send, self.D)
         self.decode(self.q, kb, vb, out, indptr, indices, logits, split_lse, num_splits, self.splits,
                     self.scale, 1.0, 1.0, output_lse=lse)  # fmt: skip
-        self.comm._pack_send(out, lse, send, True)
+        if not self.fused:  # stage 2 into [B, H, D] + [B, H], then the pack kernel
+            self.comm._pack_send(out, lse, send, True)
 
     def exchange(self) -> None:
         for dst in range(self.kvp):  # the All-to-All: chunk src of rank dst's receive = send[src][dst]
@@ -180,11 +186,15 @@ def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtyp
     k = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
     v = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
     step = HelixGroupStep(q, k, v, kvp, chunk, splits, policy, cores)
+    step.fused = False
+    unfused = step().clone()
+    step.fused = True
     eager = step().clone()
     err = (eager.double() - reference(q, k, v)).abs().max().item()
     row = {"context": context, "batch": batch, "kvp": kvp, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "split_policy": "on" if policy else "off",
-           "helix_splits": step.split_counts[0], "max_abs_err_vs_fp64": err}  # fmt: skip
+           "helix_splits": step.split_counts[0], "max_abs_err_vs_fp64": err,
+           "fused_equals_unfused": bool(torch.equal(eager, unfused))}  # fmt: skip
     if device == "cuda":
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
@@ -207,6 +217,9 @@ def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtyp
         tp, tp_bytes, row["plain_tp_splits"] = plain_tp_rank(
             q, k, v, max(1, heads // kvp), max(1, kv_heads // kvp), splits, policy, cores
         )
+        step.fused = False  # the measurement issue 16 asks for: stage 2 + pack, against fused
+        row["helix_rank_unfused_us"] = do_bench(one_rank) * 1e3
+        step.fused = True
         row["helix_rank_us"] = do_bench(one_rank) * 1e3
         row["helix_decode_us"] = do_bench(rank_decode) * 1e3
         row["plain_tp_rank_us"] = do_bench(tp) * 1e3
@@ -264,7 +277,11 @@ def main(argv=None) -> int:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                        "copy_gbps": copy_gbps, "rows": rows}, f, indent=1)  # fmt: skip
-    bad = [r for r in rows if r["max_abs_err_vs_fp64"] > (2e-2 if dtype == torch.bfloat16 else 1e-4) or r.get("graph_equals_eager") is False]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    bad = [
+        r for r in rows
+        if r["max_abs_err_vs_fp64"] > tol or r.get("graph_equals_eager") is False or not r["fused_equals_unfused"]
+    ]  # fmt: skip
     if bad:
         print(f"gpu_kernels: {len(bad)} case(s) failed the checks", file=sys.stderr)
         return 1

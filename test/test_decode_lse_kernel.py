@@ -90,8 +90,8 @@ def make_inputs(lens, num_kv_heads, group, head_dim, seed=0):
 
 
 def run_kernel(mod, q, k, v, kv_indptr, kv_indices, splits, max_splits, sm_scale,
-               logit_cap=0.0, sinks=None, with_lse=True, output_lse=None):  # fmt: skip
-    """decode_attention_fwd; returns (o [B, H, Dv], lse [B, H] or None).
+               logit_cap=0.0, sinks=None, with_lse=True, output_lse=None, o=None):  # fmt: skip
+    """decode_attention_fwd; returns (o [B, H, Dv] (or the given o), lse [B, H] or None).
 
     Scratch and outputs start as NaN, so a value the kernel never writes (or a split stage 2
     reads that stage 1 left empty) shows up as NaN.
@@ -101,7 +101,7 @@ def run_kernel(mod, q, k, v, kv_indptr, kv_indices, splits, max_splits, sm_scale
         splits = [splits] * B
     num_kv_splits = torch.tensor(splits, dtype=torch.int32)
     nan = float("nan")
-    o = torch.full((B, H, Dv), nan)
+    o = torch.full((B, H, Dv), nan) if o is None else o
     attn_logits = torch.full((B, H, max_splits, Dv), nan)
     attn_lse = torch.full((B, H, max_splits), nan)
     kwargs = {}
@@ -269,6 +269,37 @@ def test_output_lse_checks_dtype_and_shape(patched):
     for bad in bads:
         with pytest.raises(AssertionError):
             run_kernel(patched, q, k, v, indptr, indices, 1, 1, 0.25, output_lse=bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Head-split output (patch "[Kernel] Triton decode stage 2: optional head-split output layout")
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group,head_dim,kvp", [(1, 16, 2), (4, 64, 4), (8, 128, 2)])
+def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, kvp):
+    """Stage 2 given the All-to-All send buffer's views (a [KVP, B, H/KVP, D] output and a
+    [KVP, B, H/KVP] LSE) writes exactly the bytes that packing its [B, H, D] output and [B, H]
+    LSE writes (``comm._pack_send``): bit for bit, an empty shard included."""
+    from sglang.srt.layers.helix import comm
+
+    lens = [0, 5, 130]
+    q, k, v, indptr, indices = make_inputs(lens, 2, group, head_dim, seed=31 + group)
+    B, H = q.shape[:2]
+    args = (q, k, v, indptr, indices, [1, 2, 4], 4, 0.2)
+    o, lse = run_kernel(patched, *args)
+    shape = comm.a2a_buffer_shape(B, H, head_dim, q.dtype, kvp)
+    packed = torch.full(shape, float("nan"))
+    comm._pack_send(o, lse, packed, False)
+    send = torch.full(shape, float("nan"))
+    out_view, lse_view = comm.send_views(send, head_dim)
+    run_kernel(patched, *args, o=out_view, output_lse=lse_view)
+    assert torch.equal(send.view(torch.int32), packed.view(torch.int32))
+    # The same option writes any strided layout, e.g. [B, H/KVP, KVP, D] (FlashInfer's
+    # decode_cp_a2a_lse_reduce partial_o) seen through a permute.
+    fi_o = torch.full((B, H // kvp, kvp, head_dim), float("nan"))
+    fi_lse = torch.full((B, H // kvp, kvp), float("nan"))
+    run_kernel(patched, *args, o=fi_o.permute(2, 0, 1, 3), output_lse=fi_lse.permute(2, 0, 1))
+    assert torch.equal(fi_o.permute(0, 2, 1, 3).reshape(B, H, head_dim), o)
+    assert torch.equal(fi_lse.permute(0, 2, 1).reshape(B, H), lse)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from sglang.srt.layers.helix import attention, kv_layout  # noqa: E402
+from sglang.srt.layers.helix import attention, comm, kv_layout  # noqa: E402
 from sglang.srt.layers.helix.comm import merge_partials  # noqa: E402
 from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
 from sglang.srt.layers.helix.ownership import owner_rank  # noqa: E402
@@ -151,7 +151,15 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
     ]  # fmt: skip
     layer = _layer(scales)
     partials = []
-    monkeypatch.setattr(attention, "helix_a2a_merge", lambda out, lse, *_: partials.append((out.clone(), lse.clone())) or out)
+    monkeypatch.setattr(attention, "helix_a2a_merge", lambda out, lse, group: partials.append((out, lse)) or out)
+
+    def merge_packed(send, recv, group, head_dim):  # a Triton decode: partials in the send layout
+        out, lse = comm.send_views(send, head_dim)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
+        T = out.shape[1]
+        partials.append((out.transpose(0, 1).reshape(T, H, head_dim).clone(), lse.transpose(0, 1).reshape(T, H).clone()))
+        return partials[-1][0]
+
+    monkeypatch.setattr(attention, "helix_a2a_merge_packed", merge_packed)
     keys = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}  # what attention should see, by (slot, pos)
     values = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
 

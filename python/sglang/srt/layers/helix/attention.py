@@ -37,7 +37,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.srt.layers.helix import kv_layout
-from sglang.srt.layers.helix.comm import helix_a2a_merge, merge_partials
+from sglang.srt.layers.helix.comm import helix_a2a_merge, helix_a2a_merge_packed, merge_partials, send_views
 from sglang.srt.layers.helix.decode_state import (
     TRASH_ROW,
     HelixDecodeMetadata,
@@ -191,8 +191,8 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
 
     group = get_helix_kvp_group()
     if isinstance(meta, HelixDecodeMetadata):
-        out, lse, a2a_buffers = _triton_decode(layer, q, meta, backend)
-        merged = helix_a2a_merge(out, lse, group, a2a_buffers)  # [T, Q/N, Dv]
+        send, recv = _triton_decode(layer, q, meta, backend)
+        merged = helix_a2a_merge_packed(send, recv, group, layer.v_head_dim)  # [T, Q/N, Dv]
     else:
         if triton:
             out, lse = _triton_extend(layer, q, k, v, forward_batch, meta, backend)
@@ -290,27 +290,27 @@ def _kv_buffers(layer, backend, dtype: torch.dtype):
 
 
 def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
-    """Upstream's two-stage decode kernel (merged-LSE output) over this rank's local KV lists.
+    """Upstream's two-stage decode kernel over this rank's local KV lists, stage 2 writing the
+    partial output and merged LSE straight into the All-to-All's send buffer (patch 0014).
 
-    Everything it touches lives in ``meta.buffers`` (persistent): ``out [T, Q/TPA, Dv]``, ``lse
-    [T, Q/TPA]`` and the ``(send, recv)`` buffers of the exchange that follows. No host value,
-    no allocation: capturable. Splits per request from the local KV lengths (``kv_split_policy``).
+    Everything it touches lives in ``meta.buffers`` (persistent): returns ``(send, recv)``, each
+    ``[KVP, T, Q/N, Dv + lpd]``, ``send`` filled. No host value, no allocation: capturable.
+    Splits per request from the local KV lengths (``kv_split_policy``).
     """
     _check_layer(layer)
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape
     splits, core_count = kv_split_policy(backend)
-    attn_logits, attn_lse, num_kv_splits, out, lse, send, recv = meta.buffers.workspace(
-        T, H, layer.v_head_dim, q.dtype, splits
-    )
+    attn_logits, attn_lse, num_kv_splits, send, recv = meta.buffers.workspace(T, H, layer.v_head_dim, q.dtype, splits)
     if not meta.splits_ready:  # once per batch, by its first layer (recorded once in a graph)
         num_kv_splits_by_local_len(num_kv_splits, meta.local_lens, H, layer.tp_k_head_num, splits, core_count)
         meta.splits_ready = True
+    out, lse = send_views(send, layer.v_head_dim)  # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
     decode_attention_fwd(
         q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, attn_logits, attn_lse,
         num_kv_splits, splits, layer.scaling, k_descale, v_descale, output_lse=lse,
     )  # fmt: skip
-    return out, lse, (send, recv)
+    return send, recv
 
 
 def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend):

@@ -205,27 +205,32 @@ def _check_lse(partial_out: torch.Tensor, lse: torch.Tensor) -> None:
 
 
 def _exchange(
-    partial_out: torch.Tensor, lse: torch.Tensor, group: HelixGroup, kvp_size: int, triton: bool,
-    buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    partial_out: torch.Tensor, lse: torch.Tensor, group: HelixGroup, kvp_size: int, triton: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_lse(partial_out, lse)
     T, H, D = partial_out.shape
     shape = a2a_buffer_shape(T, H, D, partial_out.dtype, kvp_size)
-    lpd = shape[3] - D
-    if buffers is None:
-        send = torch.empty(shape, dtype=partial_out.dtype, device=partial_out.device)
-        recv = torch.empty_like(send)
-    else:  # persistent (decode_state.py): same addresses every step, as a CUDA graph needs
-        send, recv = buffers
-        if send.shape != shape or recv.shape != shape or send.dtype != partial_out.dtype:
-            raise ValueError(f"helix merge: send/recv buffers {tuple(send.shape)}, expected {shape}")
+    send = torch.empty(shape, dtype=partial_out.dtype, device=partial_out.device)
+    recv = torch.empty_like(send)
     _pack_send(partial_out, lse, send, triton)
+    return _all_to_all_packed(send, recv, group, D)
 
+
+def send_views(send: torch.Tensor, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The output and LSE parts of a packed send buffer ``[KVP, T, H/KVP, D + lpd]``:
+    ``(out [KVP, T, H/KVP, D], lse [KVP, T, H/KVP] fp32)``, strided views a kernel can write
+    (the decode kernel's stage 2 with a 4-D output, patch 0014) instead of ``_pack_send``."""
+    lpd = send.shape[3] - head_dim
+    return send[..., :head_dim], send.view(torch.float32)[..., head_dim // lpd]
+
+
+def _all_to_all_packed(
+    send: torch.Tensor, recv: torch.Tensor, group: HelixGroup, head_dim: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     # ONE collective, as raw bytes (as upstream does: fp8 outputs have no collective dtype; equal
     # chunks stay exact). Chunk j of recv comes from rank j.
     _all_to_all_single(group, recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8))
-
-    return recv[..., :D], recv.view(torch.float32)[..., D // lpd]
+    return send_views(recv, head_dim)
 
 
 def helix_a2a_exchange(
@@ -246,11 +251,22 @@ def helix_a2a_exchange(
     return _exchange(partial_out, lse, group, kvp_size, use_triton(partial_out.device))
 
 
+def helix_a2a_merge_packed(
+    send: torch.Tensor, recv: torch.Tensor, group: HelixGroup, head_dim: int
+) -> torch.Tensor:
+    """``helix_a2a_merge`` for partials already in the send layout (``send_views``): ONE
+    All-to-All of ``send`` into ``recv`` (both ``[KVP, T, H/KVP, D + lpd]``, contiguous), then the
+    merge. Returns ``[T, H/KVP, D]``."""
+    kvp_size = _group_size(group)
+    if kvp_size == 1:
+        return send_views(send, head_dim)[0][0]
+    outs, lses = _all_to_all_packed(send, recv, group, head_dim)
+    out, _ = _combine(outs, lses, False, use_triton(send.device))
+    return out
+
+
 def helix_a2a_merge(
-    partial_out: torch.Tensor,
-    lse: torch.Tensor,
-    group: HelixGroup,
-    buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    partial_out: torch.Tensor, lse: torch.Tensor, group: HelixGroup
 ) -> torch.Tensor:
     """Exchange partial attention over the KVP group and merge it: ONE All-to-All per call.
 
@@ -260,8 +276,6 @@ def helix_a2a_merge(
         lse: ``[T, H]`` fp32 natural-log LSE of the scaled scores.
         group: the KVP group, a ``GroupCoordinator`` or a ``torch.distributed.ProcessGroup``.
             All ranks must pass the same ``T`` (they run the same batch).
-        buffers: optional ``(send, recv)``, each ``[KVP, T, H/KVP, D + lpd]`` (``a2a_buffer_shape``)
-            and contiguous, to exchange through instead of two fresh allocations.
     Returns:
         ``[T, H/KVP, D]`` in ``partial_out.dtype``: exact attention for head slice
         ``[k * H/KVP, (k + 1) * H/KVP)`` of the local heads, ``k`` = this rank's index in
@@ -271,6 +285,6 @@ def helix_a2a_merge(
     if kvp_size == 1:
         return partial_out
     triton = use_triton(partial_out.device)  # Triton kernels or the torch path, for both steps
-    outs, lses = _exchange(partial_out, lse, group, kvp_size, triton, buffers)
+    outs, lses = _exchange(partial_out, lse, group, kvp_size, triton)
     out, _ = _combine(outs, lses, False, triton)
     return out

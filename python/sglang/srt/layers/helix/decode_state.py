@@ -9,8 +9,8 @@ A decode step of Helix attention needs, per forward batch (shared by all layers)
 and per layer (reused by every layer, as upstream's Triton backend reuses ``attn_logits``):
 
     attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [B]    stage-1 split buffers
-    out [T, H, Dv], lse [T, H]                                          the partial attention
-    send / recv [KVP, T, H/KVP, Dv + lpd]                               the All-to-All buffers
+    send / recv [KVP, T, H/KVP, Dv + lpd]     the All-to-All buffers (stage 2 writes the partial
+                                              output and LSE straight into send: patch 0014)
 
 (``H = Q/TPA`` heads, ``S`` = the backend's ``max_kv_splits``). ``HelixDecodeState.fill`` writes the
 three lists in place with device ops whose shapes come only from the batch's tensor shapes (``B``,
@@ -175,7 +175,7 @@ class HelixDecodeBuffers:
         self._workspace: Optional[Tuple] = None  # (key, tensors) of the per-layer workspace
 
     def workspace(self, num_tokens: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int):
-        """``(attn_logits, attn_lse, num_kv_splits, out, lse, send, recv)`` for ``num_tokens`` tokens.
+        """``(attn_logits, attn_lse, num_kv_splits, send, recv)`` for ``num_tokens`` tokens.
 
         Allocated for ``max_bs`` tokens by the first layer that asks (for a graph: in the warm-up
         before capture, outside the graph), views of the first ``num_tokens`` rows after; every
@@ -190,13 +190,10 @@ class HelixDecodeBuffers:
                     f"a layer asks for {key}"
                 )
             self._workspace = (key, self._allocate(num_heads, v_head_dim, dtype, max_kv_splits, kvp_size))
-        logits, lse_s, splits, out, lse, send, recv = self._workspace[1]
+        logits, lse_s, splits, send, recv = self._workspace[1]
         a2a = a2a_buffer_shape(num_tokens, num_heads, v_head_dim, dtype, kvp_size)
         n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
-        return (
-            logits[:num_tokens], lse_s[:num_tokens], splits[:num_tokens], out[:num_tokens], lse[:num_tokens],
-            send[:n].view(a2a), recv[:n].view(a2a),
-        )  # fmt: skip
+        return logits[:num_tokens], lse_s[:num_tokens], splits[:num_tokens], send[:n].view(a2a), recv[:n].view(a2a)
 
     def _allocate(self, num_heads, v_head_dim, dtype, max_kv_splits, kvp_size):
         T, device = self.max_bs, self.device
@@ -206,8 +203,6 @@ class HelixDecodeBuffers:
             torch.empty(T, num_heads, max_kv_splits, v_head_dim, dtype=torch.float32, device=device),
             torch.empty(T, num_heads, max_kv_splits, dtype=torch.float32, device=device),
             torch.full((T,), max_kv_splits, dtype=torch.int32, device=device),
-            torch.empty(T, num_heads, v_head_dim, dtype=dtype, device=device),
-            torch.empty(T, num_heads, dtype=torch.float32, device=device),
             torch.empty(n, dtype=dtype, device=device),
             torch.empty(n, dtype=dtype, device=device),
         )
