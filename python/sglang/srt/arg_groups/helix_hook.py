@@ -52,7 +52,7 @@ HELIX_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
 )
-# The field default (arg_groups/fields/parallel.py, whose help says why 64).
+# The field default (arg_groups/fields/parallel.py; why 64: docs/helix-flags.md).
 DEFAULT_HELIX_KVP_CHUNK_SIZE = 64
 
 # How the argparse errors of `prepare_server_args` name the program.
