@@ -26,7 +26,7 @@ is a device copy of the packed buffers, and each rank merges its head slice. Che
   device's measured copy bandwidth (read + write of 512 MiB), for Helix and plain TP, with
   Helix's per-request split policy (``decode_state.num_kv_splits_by_local_len``) on and off
   (``--split-policy``; off = ``--splits`` for every request);
-- fused: stage 2 writing the All-to-All send buffer itself (patch 0014, what Helix attention
+- fused: stage 2 writing the All-to-All send buffer itself (the head-split-output patch, what Helix attention
   runs; ``helix_rank_us``) against stage 2 + the pack kernel (``helix_rank_unfused_us``).
 
 Prints one row per (context, batch, KVP) and writes the rows as JSON (``--json``, or under $OUT).
@@ -112,7 +112,7 @@ class HelixGroupStep:
 
     def rank_decode_pack(self, r: int) -> None:
         kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send = self.shards[r]
-        if self.fused:  # stage 2 writes the send buffer (patch 0014), as Helix attention does
+        if self.fused:  # stage 2 writes the send buffer (the head-split-output patch), as Helix attention does
             out, lse = self.comm.send_views(send, self.D)
         self.decode(self.q, kb, vb, out, indptr, indices, logits, split_lse, num_splits, self.splits,
                     self.scale, 1.0, 1.0, output_lse=lse)  # fmt: skip

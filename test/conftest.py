@@ -5,10 +5,15 @@ from __future__ import annotations
 import hashlib
 import os
 
-import pytest
+# The Triton kernels under test run under the interpreter on the CPU. Triton reads this when it is
+# first imported, and any test module that imports sglang imports it: set it before collection.
+# (Servers started by the tests get their own environment: testing/cpu_env.py.)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from sglang_helix.testing.server import CpuServer
-from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
+import pytest  # noqa: E402
+
+from sglang_helix.testing.server import CpuServer  # noqa: E402
+from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model  # noqa: E402
 
 # Tiers. The default run (CI, the README's test command) covers every concern once; the rest of
 # each end-to-end matrix is marked FULL and runs with HELIX_TEST_FULL=1 (README, "Test").

@@ -1,4 +1,4 @@
-"""The Helix flags and their fail-fast validation (sglang/srt/arg_groups/helix_hook.py).
+"""The Helix flags and their fail-fast validation (sglang/srt/arg_groups/helix_*.py).
 
 Everything but the two ``launch_server`` tests runs SGLang's own argument path in-process:
 ``prepare_server_args(argv)`` (what ``python -m sglang.launch_server`` calls) and
@@ -72,7 +72,7 @@ def resolve(model_path: str, args: list[str]):
 
 
 def helix_error(model_path: str, args: list[str]) -> str:
-    from sglang.srt.arg_groups.helix_hook import HelixConfigError
+    from sglang.srt.arg_groups.helix_checks import HelixConfigError
 
     with pytest.raises(HelixConfigError) as info:
         resolve(model_path, args)
@@ -97,12 +97,14 @@ def helix_log():
             records.append(record)
 
     handler = Collect(level=logging.INFO)
-    logger = logging.getLogger("sglang.srt.arg_groups.helix_hook")
-    logger.addHandler(handler)
+    loggers = [logging.getLogger(f"sglang.srt.arg_groups.{m}") for m in ("helix_defaults", "helix_sizes")]
+    for logger in loggers:
+        logger.addHandler(handler)
     try:
         yield records
     finally:
-        logger.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,6 +207,43 @@ def test_unsupported_architecture(model, tmp_path):
         "Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM models, but --model-path "
         f"{path} is GemmaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
     )
+
+
+def test_model_class_must_opt_in(model, monkeypatch):
+    """A verified architecture is served only while its model class declares ``supports_helix``
+    (set by the model's patch): before that patch, --helix-kvp-size > 1 is refused at argument
+    time instead of running an attention that ignores it. What every prefix of the series checks
+    (``series prefixes``)."""
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.mistral import MistralForCausalLM
+
+    assert LlamaForCausalLM.supports_helix and MistralForCausalLM.supports_helix  # inherited
+    monkeypatch.setattr(LlamaForCausalLM, "supports_helix", False)
+    path = model()
+    assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
+        "--helix-kvp-size 2 supports only Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM "
+        f"or MixtralForCausalLM models, but --model-path {path} is LlamaForCausalLM. Serve a "
+        "supported model, or use --helix-kvp-size 1."
+    )
+
+
+def test_inherited_opt_in_is_not_enough(model, tmp_path):
+    """A subclass of an opted-in class outside the verified list (here the Llama-based
+    ``LlamaForCausalLMEagle``) is refused: the list names what the tests cover."""
+    import shutil
+
+    from sglang.srt.models.registry import ModelRegistry
+
+    arch = "LlamaForCausalLMEagle"
+    assert getattr(ModelRegistry.models.get(arch), "supports_helix", False)
+    path = str(tmp_path / "eagle")
+    shutil.copytree(model(), path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = [arch]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert f"but --model-path {path} is {arch}." in helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"])
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
@@ -538,7 +577,7 @@ def test_quantized_checkpoint(model, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The CPU engine's MLP padding (patch 0009 pads for TPA; the MLP stays sharded over N)
+# The CPU engine's MLP padding (the CPU-engine patch pads for TPA; the MLP stays sharded over N)
 # --------------------------------------------------------------------------------------------
 def test_cpu_mlp_not_divisible_after_padding(model):
     """intermediate_size 128 at TPA 1 stays 128 (a multiple of 32), which --tp 3 does not divide:
@@ -769,7 +808,7 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     allocates in torch (the table above serves pages of 192 there)."""
     from types import SimpleNamespace
 
-    from sglang.srt.arg_groups.helix_hook import HelixConfigError
+    from sglang.srt.arg_groups.helix_checks import HelixConfigError
     from sglang.srt.arg_groups.helix_sizes import check_page_for_device
 
     cfg = SimpleNamespace(device="cuda", helix_kvp_chunk_size=chunk, helix_kvp_size=kvp, tp_size=kvp * 2)

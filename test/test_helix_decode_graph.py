@@ -500,7 +500,6 @@ def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):
 
     entered.clear()
     monkeypatch.setitem(groups._GROUPS, "helix_kvp_group", Group("helix_kvp"))
-    monkeypatch.setitem(groups._GROUPS, "helix_tpa_group", Group("helix_tpa"))
     with parallel_state.graph_capture():
         pass
     assert entered == ["tp", "pp", "helix_kvp"]

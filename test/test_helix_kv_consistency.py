@@ -1,8 +1,9 @@
 """Helix KV consistency: every rank's stored K/V, reassembled by the ownership rule, is exact.
 
-A real multi-rank Helix server runs with ``SGLANG_HELIX_DEBUG_KV_DIR`` set: after the K/V write of
-each layer every rank dumps, per request slot, the global positions in ``[0, seq_len)`` it owns and
-the K/V rows it reads back from its pool (``sglang.srt.layers.helix.attention._debug_dump_kv``).
+A real multi-rank Helix server runs with test/helix_kv_dump on its PYTHONPATH and
+``HELIX_KV_DUMP_DIR`` set: after each layer's Helix attention (which writes the K/V) every rank
+dumps, per request slot, the global positions in ``[0, seq_len)`` it owns and the K/V rows it reads
+back from its pool (``test/helix_kv_dump/sitecustomize.py``).
 Several prompts of distinct lengths are decoded concurrently (greedy, a few tokens each); after
 they finish, each slot's dump is the request's last forward (its final decode step), so it covers
 the prompt and every generated token but the last one (which has no stored KV).
@@ -135,8 +136,12 @@ def _load_dumps(dump_dir: str):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout,backend", PARAMS)
-def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, layout, backend):
+def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, monkeypatch, layout, backend):
     import torch
+
+    # test/helix_kv_dump/sitecustomize.py writes the dumps in the server processes.
+    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helix_kv_dump")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p))
 
     spec, args = LAYOUTS[layout]
     model_path = model_dir(spec)
@@ -150,7 +155,7 @@ def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, 
     timeout = float(os.environ.get("HELIX_TEST_STARTUP_TIMEOUT", "900"))
     srv = CpuServer(
         model_path, args, attention_backend=backend, startup_timeout=timeout, log_dir=server_log_dir,
-        extra_env={"SGLANG_HELIX_DEBUG_KV_DIR": str(dump_dir)},
+        extra_env={"HELIX_KV_DUMP_DIR": str(dump_dir)},
     ).start()  # fmt: skip
     try:
         for f in os.listdir(dump_dir):  # the startup health check's request

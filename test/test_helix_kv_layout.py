@@ -1,6 +1,6 @@
 """Helix KV layout on upstream's allocator: logical ids -> owner and physical row; local KV lists.
 
-A small scheduler drives the real ``PagedTokenToKVPoolAllocator``, sized as patch 0006 sizes it
+A small scheduler drives the real ``PagedTokenToKVPoolAllocator``, sized as the KV-cache patch sizes it
 (``rows_per_rank * KVP`` logical ids in pages of ``chunk * KVP``), on CPU tensors: requests are
 prefilled in chunks (``alloc_extend`` over a prefix), decoded (``alloc_decode``), finished and
 retracted (their locs freed, in free groups as the scheduler frees) and re-admitted from scratch,
@@ -60,7 +60,7 @@ class Harness:
     def __init__(self, kvp: int, chunk: int, triton_kernels: bool, need_sort: bool):
         self.kvp, self.chunk, self.page = kvp, chunk, chunk * kvp
         self.rows_per_rank = NUM_PAGES * chunk
-        # As patch 0006 builds it: the rows of one rank widened by KVP, paged by chunk * KVP.
+        # As the KV-cache patch builds it: the rows of one rank widened by KVP, paged by chunk * KVP.
         self.alloc = paged.PagedTokenToKVPoolAllocator(
             self.rows_per_rank * kvp, self.page, torch.float32, "cpu", None, need_sort
         )

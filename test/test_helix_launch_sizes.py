@@ -9,7 +9,7 @@ user never sets; sizes that must be counted in it are resolved (srt/arg_groups/h
   4096 becomes 4032, max prefill tokens 16384 becomes 16512.
 
 Both used to end at launch in ``AssertionError: chunked_prefill_size must be divisible by
-page_size``. And the CPU engine's MLP padding under Helix (patch 0009 pads for TPA, the MLP
+page_size``. And the CPU engine's MLP padding under Helix (the CPU-engine patch pads for TPA, the MLP
 stays sharded over N): intermediate_size 130 at ``--tp 4 --helix-kvp-size 2`` is padded for
 TPA 2 to 192, which --tp 4 divides, so it is served (what does not divide is refused at
 argument time: test_helix_args.py).

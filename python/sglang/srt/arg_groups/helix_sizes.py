@@ -21,9 +21,37 @@ logged with the flag, the old and new value and why:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from sglang.srt.arg_groups.helix_hook import _declare, _fail, helix_kv_page_size, logger
+from sglang.srt.arg_groups.helix_checks import fail, raw
+from sglang.srt.arg_groups.helix_defaults import declare
+
+logger = logging.getLogger(__name__)
+
+
+def helix_kv_page_size(cfg: Any) -> int:
+    """The KV allocator page under Helix: one ownership chunk per KVP rank.
+
+    The allocator hands out rank-invariant logical ids in pages of ``chunk * KVP``; a page holds
+    one chunk for each KVP rank, so the owner and the physical row of a KV id are pure functions
+    of the id (``sglang.srt.layers.helix.kv_layout``) and every rank's allocator, and so every
+    scheduling decision, is identical.
+    """
+    return cfg.helix_kvp_chunk_size * cfg.helix_kvp_size
+
+
+def check_page_size(server_args: Any, cfg: Any) -> None:
+    """``--page-size`` must be unset or 1: the page is Helix's (``resolve_kv_page``)."""
+    page_size = cfg.page_size
+    given = raw(server_args, "page_size", page_size)
+    if given in (None, 1) and page_size in (None, 1, helix_kv_page_size(cfg)):
+        return
+    value = f"--page-size is {page_size}" if given == page_size else f"--page-size resolves to {page_size}"
+    fail(
+        f"--helix-kvp-size {cfg.helix_kvp_size} supports only --page-size 1 "
+        f"yet, but {value}. Pass --page-size 1, or use --helix-kvp-size 1."
+    )
 
 
 def resolve_kv_page(server_args: Any, cfg: Any) -> None:
@@ -36,7 +64,7 @@ def resolve_kv_page(server_args: Any, cfg: Any) -> None:
             "--helix-kvp-size %d = %d tokens (one ownership chunk per KVP rank).",
             cfg.helix_kvp_chunk_size, cfg.helix_kvp_size, page,
         )  # fmt: skip
-        _declare(server_args, page_size=page)
+        declare(server_args, page_size=page)
 
 
 def check_page_for_device(cfg: Any, page: int) -> None:
@@ -51,7 +79,7 @@ def check_page_for_device(cfg: Any, page: int) -> None:
         if kvp & (kvp - 1) == 0
         else f"a power-of-two --helix-kvp-size (a divisor of --tp {cfg.tp_size})"
     )
-    _fail(
+    fail(
         f"--helix-kvp-chunk-size {cfg.helix_kvp_chunk_size} x --helix-kvp-size {kvp} = {page}: "
         f"on --device {cfg.device} the Helix KV page must be a power of two (the paged "
         f"allocator's Triton kernels lay out one page per program). Use {hint}, or use "
@@ -69,7 +97,7 @@ def resolve_page_multiples(server_args: Any, cfg: Any) -> None:
 
     total = cfg.max_total_tokens
     if total is not None and 0 < total < page:
-        _fail(
+        fail(
             f"--max-total-tokens {total} is less than one {what}: under Helix it "
             "bounds each rank's KV rows, which are allocated in whole pages. Pass "
             f"--max-total-tokens {page} or more, or a smaller --helix-kvp-chunk-size, or use "
@@ -96,4 +124,4 @@ def _change(server_args: Any, field: str, old: int, new: int, what: str, why: st
     logger.info(
         "Helix parallelism: %s %d -> %d, a multiple of the %s: %s.", flag, old, new, what, why
     )
-    _declare(server_args, **{field: new})
+    declare(server_args, **{field: new})

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from sglang.srt.arg_groups.helix_hook import _raw, _unsupported
+from sglang.srt.arg_groups.helix_checks import raw, unsupported
 
 
 class Flag(NamedTuple):
@@ -160,7 +160,7 @@ UNSUPPORTED = (
         "Helix MoE models are verified with the experts sharded as plain TP shards them",
     ),
     Feature(
-        "quantized weights yet",  # a quantized checkpoint: helix_hook._check_model
+        "quantized weights yet",  # a quantized checkpoint: helix_checks.check_model
         (Flag("--quantization", "quantization"), Flag("--modelopt-quant", "modelopt_quant")),
     ),
 )
@@ -177,9 +177,9 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
         on = [(f, getattr(cfg, f.field)) for f in feature.flags if _on(getattr(cfg, f.field), f.off)]
         if on:
             given = [_given(f, value) for f, value in on]
-            _unsupported(cfg, feature.name, given, _fix([f for f, _ in on]), feature.why)
+            unsupported(cfg, feature.name, given, _fix([f for f, _ in on]), feature.why)
     if cfg.kv_cache_dtype not in HELIX_KV_CACHE_DTYPES:
-        _unsupported(
+        unsupported(
             cfg, "block-scaled KV cache recipes yet", [f"--kv-cache-dtype {cfg.kv_cache_dtype}"],
             "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2",
         )  # fmt: skip
@@ -189,12 +189,12 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
 def _check_dp_attention(server_args: Any, cfg: Any) -> None:
     if cfg.attn_dp_size <= 1:
         return
-    if _raw(server_args, "enable_dp_attention", False):
-        dp = _raw(server_args, "dp_size", cfg.attn_dp_size)
+    if raw(server_args, "enable_dp_attention", False):
+        dp = raw(server_args, "dp_size", cfg.attn_dp_size)
         given, fix = ["--enable-dp-attention", f"--dp-size {dp}"], "Drop --enable-dp-attention"
     else:
         given, fix = [f"--attn-dp-size {cfg.attn_dp_size}"], "Set --attn-dp-size 1"
-    _unsupported(cfg, "DP attention", given, fix, "Helix shards every request over all KVP ranks")
+    unsupported(cfg, "DP attention", given, fix, "Helix shards every request over all KVP ranks")
 
 
 def _on(value: Any, off: Any) -> bool:

@@ -26,7 +26,6 @@ lengths once per forward batch, on the first layer, and caches them on the ``For
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -47,13 +46,11 @@ from sglang.srt.layers.helix.decode_state import (
 )
 from sglang.srt.layers.helix.groups import get_helix_kvp_group
 from sglang.srt.layers.helix.ownership import owner_rank
+from sglang.srt.layers.linear import ReplicatedParallelGroup
 from sglang.srt.model_executor.forward_context import get_attn_backend
+from sglang.srt.runtime_context import get_parallel
 
 _SCORE_ELEMS = 1 << 25  # torch path: the most fp32 scores [K/TPA, g, t, L] held at once (128 MiB)
-
-# DEBUG: directory for per-rank K/V dumps (see _debug_dump_kv); read once, unset = no dumps.
-_DEBUG_KV_DIR = os.environ.get("SGLANG_HELIX_DEBUG_KV_DIR") or None
-
 
 @dataclass
 class HelixForwardMetadata:
@@ -72,8 +69,6 @@ class HelixForwardMetadata:
 
     @classmethod
     def build(cls, forward_batch) -> "HelixForwardMetadata":
-        from sglang.srt.runtime_context import get_parallel
-
         parallel = get_parallel()
         k, n, c = parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
         rows, owned = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
@@ -158,6 +153,28 @@ def _req_to_token(backend) -> torch.Tensor:
     return backend.req_to_token  # triton
 
 
+
+def helix_attention_tp(tp_size: int, parallel_group=None):
+    """``(attn_tp_size, qkv_parallel_group, helix)``: how an attention layer shards its heads.
+
+    This is how a model opts into Helix (with ``supports_helix = True`` on its model class). In
+    its attention module's ``__init__``::
+
+        tp_size, qkv_parallel_group, self.helix = helix_attention_tp(tp_size, parallel_group)
+        ...  # heads over tp_size as before; QKVParallelLinear(..., parallel_group=qkv_parallel_group)
+
+    and in ``forward``, ``helix_attention(self.attn, q, k, v, forward_batch)`` in place of
+    ``self.attn(...)`` when ``self.helix`` (see docs/helix-design.md, "Adding a model").
+
+    Helix off: ``(tp_size, parallel_group, False)``, the layer's own values: it is built exactly as
+    before. Helix on: ``(TPA, ReplicatedParallelGroup("tp", KVP), True)``: ``qkv_proj`` is sharded
+    over TPA and replicated over the KVP ranks of a TPA slice (rank ``tp_rank // KVP``).
+    """
+    parallel = get_parallel()
+    if not parallel.helix_enabled:
+        return tp_size, parallel_group, False
+    return parallel.helix_tpa_size, ReplicatedParallelGroup("tp", parallel.helix_kvp_size), True
+
 def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads: ``[T, Q/N * Dv]``, ready for ``o_proj``.
 
@@ -186,8 +203,6 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
         kv_pool.set_kv_buffer(layer, meta.write_rows, k.clone(), v.clone(), layer.k_scale, layer.v_scale)
     else:
         kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
-    if _DEBUG_KV_DIR:  # debug only (SGLANG_HELIX_DEBUG_KV_DIR); off by default
-        _debug_dump_kv(layer, forward_batch, HelixForwardMetadata.of(forward_batch), kv_pool)
 
     group = get_helix_kvp_group()
     if isinstance(meta, HelixDecodeMetadata):
@@ -291,7 +306,7 @@ def _kv_buffers(layer, backend, dtype: torch.dtype):
 
 def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
     """Upstream's two-stage decode kernel over this rank's local KV lists, stage 2 writing the
-    partial output and merged LSE straight into the All-to-All's send buffer (patch 0014).
+    partial output and merged LSE straight into the All-to-All's send buffer (the head-split-output patch).
 
     Everything it touches lives in ``meta.buffers`` (persistent): returns ``(send, recv)``, each
     ``[KVP, T, Q/N, Dv + lpd]``, ``send`` filled. No host value, no allocation: capturable.
@@ -341,32 +356,3 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, ba
     lses[2].masked_fill_(~x.seg_owned[:, None], float("-inf"))
     out, lse = merge_partials(outs, lses)
     return out, lse
-
-
-def _debug_dump_kv(layer, forward_batch, meta: HelixForwardMetadata, kv_pool) -> None:
-    """DEBUG ONLY (``SGLANG_HELIX_DEBUG_KV_DIR``): dump this rank's stored K/V after the write.
-
-    For every request of the batch, (over)writes ``layer{L}_slot{S}_tp{R}.pt`` in the directory:
-    the global positions in ``[0, seq_len)`` this rank owns and their K/V rows read back from the
-    pool (``[n, K/TPA, D]``), with the rank's place in the KVP x TPA grid. Host syncs and file I/O
-    on every layer: for tests (test/test_helix_kv_consistency.py), never for serving.
-    """
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    positions = kv_layout.owned_positions(meta.kv_indptr, meta.total_local, meta.kvp_rank, meta.kvp_size, meta.chunk)
-    k_buf = kv_pool.get_key_buffer(layer.layer_id)
-    v_buf = kv_pool.get_value_buffer(layer.layer_id)
-    indptr = meta.kv_indptr.tolist()
-    for b, (slot, seq_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), forward_batch.seq_lens_cpu.tolist())):
-        lo, hi = indptr[b], indptr[b + 1]
-        rows = meta.kv_indices[lo:hi]
-        record = {
-            "layer_id": layer.layer_id, "slot": slot, "seq_len": int(seq_len),
-            "tp_rank": parallel.tp_rank, "kvp_rank": meta.kvp_rank, "kvp_size": meta.kvp_size,
-            "tpa_rank": parallel.helix_tpa_rank, "chunk": meta.chunk,
-            "positions": positions[lo:hi].cpu(), "k": k_buf[rows].float().cpu(), "v": v_buf[rows].float().cpu(),
-        }  # fmt: skip
-        path = os.path.join(_DEBUG_KV_DIR, f"layer{layer.layer_id}_slot{slot}_tp{parallel.tp_rank}.pt")
-        torch.save(record, path + ".tmp")
-        os.replace(path + ".tmp", path)

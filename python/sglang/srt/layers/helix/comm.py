@@ -50,7 +50,7 @@ from sglang.kernels.ops.attention.dcp_kernels import (
 )
 
 # The KVP group: a SGLang GroupCoordinator (used through ``world_size`` and ``all_to_all_single``;
-# on CPU that needs patch 0008) or a plain torch.distributed ProcessGroup.
+# on CPU that needs the all_to_all_single patch) or a plain torch.distributed ProcessGroup.
 HelixGroup = Union["GroupCoordinator", dist.ProcessGroup]  # noqa: F821
 
 # Triton decided when it decorated the kernels (at import) whether they run interpreted.
@@ -219,7 +219,7 @@ def _exchange(
 def send_views(send: torch.Tensor, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The output and LSE parts of a packed send buffer ``[KVP, T, H/KVP, D + lpd]``:
     ``(out [KVP, T, H/KVP, D], lse [KVP, T, H/KVP] fp32)``, strided views a kernel can write
-    (the decode kernel's stage 2 with a 4-D output, patch 0014) instead of ``_pack_send``."""
+    (the decode kernel's stage 2 with a 4-D output, the head-split-output patch) instead of ``_pack_send``."""
     lpd = send.shape[3] - head_dim
     return send[..., :head_dim], send.view(torch.float32)[..., head_dim // lpd]
 

@@ -10,7 +10,7 @@ and per layer (reused by every layer, as upstream's Triton backend reuses ``attn
 
     attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [B]    stage-1 split buffers
     send / recv [KVP, T, H/KVP, Dv + lpd]     the All-to-All buffers (stage 2 writes the partial
-                                              output and LSE straight into send: patch 0014)
+                                              output and LSE straight into send: the head-split-output patch)
 
 (``H = Q/TPA`` heads, ``S`` = the backend's ``max_kv_splits``). ``HelixDecodeState.fill`` writes the
 three lists in place with device ops whose shapes come only from the batch's tensor shapes (``B``,
@@ -46,6 +46,7 @@ from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 from sglang.srt.layers.helix import kv_layout
 from sglang.srt.layers.helix.comm import a2a_buffer_shape
 from sglang.srt.layers.helix.ownership import local_kv_len, local_kv_len_upper_bound
+from sglang.srt.runtime_context import get_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +232,6 @@ class HelixDecodeState:
     @classmethod
     def for_this_rank(cls, req_to_token: torch.Tensor) -> Optional["HelixDecodeState"]:
         """This rank's state under Helix (``--helix-kvp-size`` > 1), else None."""
-        from sglang.srt.runtime_context import get_parallel
-
         parallel = get_parallel()
         if not parallel.helix_enabled:
             return None

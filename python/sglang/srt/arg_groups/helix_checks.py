@@ -1,0 +1,271 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Validation of the Helix flags: what is refused at argument time, and how it is reported.
+
+Every refusal is one ``HelixConfigError`` naming the flags, their values and what to do. The
+checks here are about the grid and the model (``check_flags``, ``check_model``), the attention
+backend (``check_attention_backend``); the server features Helix does not run with are listed in
+``helix_unsupported``, the KV page in ``helix_sizes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# What the Helix attention path is implemented for. Other backends size heads
+# by the attention-TP width and have no partial-output + LSE path.
+HELIX_ATTENTION_BACKENDS = ("triton", "torch_native")
+# The architectures Helix is verified on. A model class opts in with `supports_helix = True`
+# (its attention calls helix_attention_tp + helix_attention: docs/helix-design.md, "Adding a
+# model"); both must hold, so a subclass that inherits the opt-in is not served unverified.
+HELIX_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",  # a LlamaForCausalLM subclass
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+# The field default (arg_groups/fields/parallel.py; why 64: docs/helix-flags.md).
+DEFAULT_HELIX_KVP_CHUNK_SIZE = 64
+
+
+class HelixConfigError(ValueError):
+    """An invalid or unsupported Helix configuration, found at argument time.
+
+    A ``ValueError``, as every resolution hook reports a user error, so ``Engine`` callers and
+    tests handle it like the others; ``launch_server`` prints it as argparse prints a usage error
+    (``sglang serve: error: <message>``, exit status 2).
+    """
+
+
+def fail(message: str) -> None:
+    raise HelixConfigError(message)
+
+
+def unsupported(cfg: Any, feature: str, given: list, fix: str, why: str = "") -> None:
+    """The standard refusal of a feature Helix does not run with."""
+    fail(
+        f"--helix-kvp-size {cfg.helix_kvp_size} does not support {feature} "
+        f"({' '.join(given)}){': ' + why if why else ''}. {fix}, or use "
+        "--helix-kvp-size 1."
+    )
+
+
+def raw(server_args: Any, field: str, default: Any) -> Any:
+    """What the caller asked for, before any declaration (the pipeline's ``_raw_input``
+    snapshot)."""
+    snapshot = getattr(server_args, "_raw_input", None) or {}
+    return snapshot.get(field, default)
+
+
+def join(items, last: str = "or") -> str:
+    items = [str(i) for i in items]
+    if len(items) <= 1:
+        return "".join(items)
+    return f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+# ---------------------------------------------------------------------------
+# The grid
+# ---------------------------------------------------------------------------
+
+
+def check_flags(server_args: Any, cfg: Any) -> None:
+    """The three flags and the KVP x TPA = N grid; checked with Helix off too,
+    so that a forgotten --helix-kvp-size next to --helix-tpa-size is caught."""
+    kvp, n = cfg.helix_kvp_size, cfg.tp_size
+    tpa = raw(server_args, "helix_tpa_size", cfg.helix_tpa_size)
+    if kvp < 1:
+        fail(
+            f"--helix-kvp-size must be >= 1, got --helix-kvp-size {kvp}. Use 1 "
+            "to run without Helix, or the KV-parallel width (a divisor of "
+            f"--tp {n}) to enable it."
+        )
+    if tpa < 0:
+        fail(
+            f"--helix-tpa-size must be >= 0, got --helix-tpa-size {tpa}. Leave "
+            "it at 0 to derive it as --tp / --helix-kvp-size."
+        )
+    if cfg.helix_kvp_chunk_size < 1:
+        fail(
+            "--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size "
+            f"{cfg.helix_kvp_chunk_size}. It is the number of consecutive tokens "
+            "one KVP rank stores before ownership moves to the next rank; the "
+            f"default is {DEFAULT_HELIX_KVP_CHUNK_SIZE}."
+        )
+    if n % kvp:
+        fail(
+            f"--helix-kvp-size {kvp} does not divide --tp {n}: Helix arranges "
+            "the --tp ranks as a KVP x TPA grid, so --tp must be a multiple of "
+            f"--helix-kvp-size. Valid values for --tp {n}: {join(_divisors(n))}."
+        )
+    if tpa and kvp * tpa != n:
+        fail(
+            f"--helix-kvp-size {kvp} x --helix-tpa-size {tpa} = {kvp * tpa} does "
+            f"not equal --tp {n}: Helix arranges the --tp ranks as a KVP x TPA "
+            f"grid. Set --helix-tpa-size {n // kvp} (= --tp / --helix-kvp-size) "
+            "or leave it at 0 to derive it."
+        )
+
+
+# ---------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------
+
+
+def check_model(server_args: Any, cfg: Any) -> None:
+    """Architecture and head-count checks; reads the HF config and resolves the model class
+    (as ``supports_cuda_vmm_feature_transport`` does), not weights."""
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    kvp, n = cfg.helix_kvp_size, cfg.tp_size
+    tpa_given = raw(server_args, "helix_tpa_size", cfg.helix_tpa_size)
+    tpa = tpa_given or n // kvp
+    model_config = model_config_of(server_args)
+    if cfg.model_impl not in ("auto", "sglang"):
+        fail(
+            f"--helix-kvp-size {kvp} is implemented in SGLang's own model code, "
+            f"not --model-impl {cfg.model_impl}. Use --model-impl sglang (or "
+            "auto), or use --helix-kvp-size 1."
+        )
+    archs = list(getattr(model_config.hf_config, "architectures", None) or [])
+    supported = helix_architectures()
+    if not archs or any(a not in supported for a in archs):
+        fail(
+            f"--helix-kvp-size {kvp} supports only {join(supported) or 'no model in this build'}"
+            f"{' models' if supported else ''}, but --model-path {cfg.model_path} is "
+            f"{join(archs) or 'an unknown architecture'}. Serve a supported "
+            "model, or use --helix-kvp-size 1."
+        )
+    k = model_config.get_total_num_kv_heads()
+    q = model_config.num_attention_heads
+    if tpa > k or k % tpa:
+        if tpa_given:
+            width = f"--helix-tpa-size {tpa}"
+        else:
+            width = f"TPA = --tp {n} / --helix-kvp-size {kvp} = {tpa}"
+        relation = "exceeds" if tpa > k else "does not divide"
+        good = _valid_kvp(n, q, k)
+        if good:
+            hint = f"Use --helix-kvp-size {join(good)} with --tp {n}"
+            if tpa_given:
+                hint += " and --helix-tpa-size 0"
+        else:
+            hint = f"No --helix-kvp-size fits --tp {n} for this model; change --tp"
+        fail(
+            f"{width} {relation} the {k} KV heads of --model-path "
+            f"{cfg.model_path} (num_key_value_heads): each attention-TP rank "
+            f"must hold whole KV heads, none duplicated. {hint}."
+        )
+    if q % n:
+        fail(
+            f"The {q} query heads of --model-path {cfg.model_path} "
+            f"(num_attention_heads) are not divisible by --tp {n}: after the "
+            "Helix All-to-All each of the --tp ranks owns an equal share of the "
+            f"query heads. Use a --tp that divides {q}, or use "
+            "--helix-kvp-size 1."
+        )
+    quantization = model_config.quantization
+    if quantization:  # a quantized checkpoint (the flags: helix_unsupported)
+        unsupported(
+            cfg,
+            "quantized weights yet",
+            [f"--model-path {cfg.model_path} is {quantization}-quantized"],
+            "Serve an unquantized checkpoint",
+        )
+    if cfg.device == "cpu":
+        _check_cpu_mlp_padding(cfg, model_config, kvp, n, tpa)
+
+
+def helix_architectures() -> list:
+    """The verified architectures whose model class opts into Helix (``supports_helix``)."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    ModelRegistry.get_supported_archs()  # imports the model modules once
+    return [a for a in HELIX_ARCHITECTURES if getattr(ModelRegistry.models.get(a), "supports_helix", False)]
+
+
+# The MLP widths adjust_config_with_unaligned_cpu_tp pads (dense and expert MLPs).
+_CPU_PADDED_MLP_FIELDS = (
+    "intermediate_size",
+    "moe_intermediate_size",
+    "intermediate_size_mlp",
+    "shared_expert_intermediate_size",
+)
+
+
+def _check_cpu_mlp_padding(cfg: Any, model_config: Any, kvp: int, n: int, tpa: int) -> None:
+    """The CPU engine pads intermediate_size to a multiple of 32 x the width it pads for
+    (``adjust_config_with_unaligned_cpu_tp``), which under Helix is TPA (the CPU-engine patch),
+    while the MLP stays sharded over N: refuse what does not come out divisible by N, before it
+    fails at load. (Unquantized weights: Helix refuses quantized ones, whose block size changes
+    32.)"""
+    from sglang.srt.configs.update_config import get_moe_padding_size
+
+    step = tpa * get_moe_padding_size(None)
+    for field in _CPU_PADDED_MLP_FIELDS:
+        inter = getattr(model_config.hf_text_config, field, None)
+        if not inter:
+            continue
+        padded = inter if inter % step == 0 else -(-inter // step) * step
+        if padded % n:
+            fail(
+                f"--helix-kvp-size {kvp} on --device cpu cannot shard the MLP of --model-path "
+                f"{cfg.model_path} over --tp {n}: its {field} {inter}, which the CPU "
+                f"engine pads to a multiple of {step} for the attention width TPA = {tpa} only "
+                f"({padded}), is not divisible by --tp {n}. Use a --helix-kvp-size that divides "
+                "32, or use --helix-kvp-size 1."
+            )
+
+
+# ---------------------------------------------------------------------------
+# The attention backend
+# ---------------------------------------------------------------------------
+
+
+def check_attention_backend(server_args: Any, cfg: Any) -> None:
+    """Refuse a backend the Helix attention does not implement (``helix_defaults`` picks one
+    when none is given)."""
+    kvp = cfg.helix_kvp_size
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        backend = getattr(cfg, field)
+        if backend is None or backend in HELIX_ATTENTION_BACKENDS:
+            continue
+        flag = "--" + field.replace("_", "-")
+        given = raw(server_args, field, backend)
+        value = f"{flag} is {backend}" if given == backend else f"{flag} resolves to {backend}"
+        fail(
+            f"--helix-kvp-size {kvp} supports only the attention backends "
+            f"{join(HELIX_ATTENTION_BACKENDS)}, but {value}. Pass "
+            "--attention-backend triton (or torch_native), or use "
+            "--helix-kvp-size 1."
+        )
+
+
+def check_one_attention_backend(server_args: Any, cfg: Any) -> None:
+    """One backend object must run both phases: different ones make SGLang build a
+    HybridAttnBackend around them, which the Helix attention does not dispatch."""
+    prefill, decode = cfg.prefill_attention_backend, cfg.decode_attention_backend
+    if (prefill or cfg.attention_backend) != (decode or cfg.attention_backend):
+        given = [f"--attention-backend {cfg.attention_backend}"] if not (prefill and decode) else []
+        given += [f"--prefill-attention-backend {prefill}"] if prefill else []
+        given += [f"--decode-attention-backend {decode}"] if decode else []
+        unsupported(
+            cfg,
+            "different prefill and decode attention backends",
+            given,
+            "Pass one --attention-backend (triton or torch_native)",
+            "SGLang runs them through a HybridAttnBackend, which the Helix "
+            "attention does not dispatch",
+        )
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _valid_kvp(n: int, q: int, k: int) -> list:
+    """KVP > 1 values that make a valid grid for --tp n and this model."""
+    if q % n:
+        return []
+    return [kvp for kvp in _divisors(n)[1:] if n // kvp <= k and k % (n // kvp) == 0]

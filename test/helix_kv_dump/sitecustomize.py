@@ -1,0 +1,74 @@
+"""Per-rank K/V dumps for test/test_helix_kv_consistency.py.
+
+On PYTHONPATH of a CPU server with HELIX_KV_DUMP_DIR set, this wraps
+``sglang.srt.layers.helix.attention.helix_attention`` when sglang imports it (before a model
+module binds the name): after each layer's call, which has written the batch's K/V, every rank
+(over)writes ``layer{L}_slot{S}_tp{R}.pt`` for every request of the batch: the global positions in
+``[0, seq_len)`` it owns and their K/V rows read back from its pool (``[n, K/TPA, D]``), with its
+place in the KVP x TPA grid. Host syncs and file I/O on every layer: a test fixture, not a server
+feature. Every process without HELIX_KV_DUMP_DIR is untouched.
+"""
+import os
+
+if os.environ.get("HELIX_KV_DUMP_DIR"):
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    DUMP_DIR = os.environ["HELIX_KV_DUMP_DIR"]
+    TARGET = "sglang.srt.layers.helix.attention"
+
+    def dump(attention, layer, forward_batch):
+        import torch
+
+        from sglang.srt.layers.helix import kv_layout
+        from sglang.srt.model_executor.forward_context import get_attn_backend
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        meta = attention.HelixForwardMetadata.build(forward_batch)  # the host-built lists
+        kv_pool = get_attn_backend().token_to_kv_pool
+        positions = kv_layout.owned_positions(meta.kv_indptr, meta.total_local, meta.kvp_rank, meta.kvp_size, meta.chunk)
+        k_buf = kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = kv_pool.get_value_buffer(layer.layer_id)
+        indptr = meta.kv_indptr.tolist()
+        slots = forward_batch.req_pool_indices.tolist()
+        for b, (slot, seq_len) in enumerate(zip(slots, forward_batch.seq_lens_cpu.tolist())):
+            rows = meta.kv_indices[indptr[b] : indptr[b + 1]]
+            record = {
+                "layer_id": layer.layer_id, "slot": slot, "seq_len": int(seq_len),
+                "tp_rank": parallel.tp_rank, "kvp_rank": meta.kvp_rank, "kvp_size": meta.kvp_size,
+                "tpa_rank": parallel.helix_tpa_rank, "chunk": meta.chunk,
+                "positions": positions[indptr[b] : indptr[b + 1]].cpu(),
+                "k": k_buf[rows].float().cpu(), "v": v_buf[rows].float().cpu(),
+            }  # fmt: skip
+            path = os.path.join(DUMP_DIR, f"layer{layer.layer_id}_slot{slot}_tp{parallel.tp_rank}.pt")
+            torch.save(record, path + ".tmp")
+            os.replace(path + ".tmp", path)
+
+    def patch(attention):
+        orig = attention.helix_attention
+
+        def helix_attention(layer, q, k, v, forward_batch):
+            out = orig(layer, q, k, v, forward_batch)
+            dump(attention, layer, forward_batch)
+            return out
+
+        attention.helix_attention = helix_attention
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != TARGET:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            orig_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                orig_exec(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
