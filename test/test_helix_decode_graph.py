@@ -473,7 +473,7 @@ def test_split_policy_follows_the_backend_settings():
 def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):
     """``parallel_state.graph_capture`` (the decode graph runner's capture context) enters the KVP
     group too, as it enters the DCP group: that turns its pynccl on, so the All-to-All is captured
-    through pynccl rather than torch.distributed. The TPA group has no collective at run time."""
+    through pynccl rather than torch.distributed. It is the only group Helix builds."""
     from contextlib import contextmanager
 
     from sglang.srt.distributed import parallel_state

@@ -174,3 +174,31 @@ def test_upstream_branch(tmp_path, repo_copy, wheel):
     ws = make_workspace(repo_copy, tmp_path / "ws", wheel)
     for rel in repo_copy.touched_files():
         assert (checkout / "python" / rel).read_bytes() == (ws / "python" / rel).read_bytes()
+
+
+# --------------------------------------------------------------------------------------------
+# Bisectable: every prefix of the series
+# --------------------------------------------------------------------------------------------
+def test_prefix_tests_name_real_patches():
+    """Every PREFIX_TESTS entry belongs to a patch of the series (a renamed patch must not lose
+    its tests silently), and every patch but the CPU-engine one has tests of its own."""
+    from sglang_helix.series import PREFIX_TESTS, _patch_subject
+
+    subjects = [_patch_subject(p) for p in Series().patches]
+    assert set(PREFIX_TESTS) <= set(subjects), set(PREFIX_TESTS) - set(subjects)
+    assert [s for s in subjects if s not in PREFIX_TESTS] == [
+        "[Helix] CPU engine: pad unaligned heads for the attention width"
+    ]
+
+
+def test_every_prefix(tmp_path):
+    """``series prefixes``: each prefix applies with git am, imports, runs its patch's tests, and
+    the flag is refused before the Llama patch and accepted from it on (it raises otherwise)."""
+    from sglang_helix.series import check_prefixes
+
+    lines = check_prefixes(Series(), tmp_path)
+    flags = [line.split("flag ")[1].split(";")[0] for line in lines]
+    first = next(i for i, p in enumerate(Series().patches) if "sglang/srt/models/llama.py" in Series.touched_files_of(p))
+    assert flags == ["refused"] * first + ["accepted"] * (len(lines) - first)
+    flags_patch = next(i for i, line in enumerate(lines) if "Server args" in line)
+    assert 0 < flags_patch < first  # the flag exists, refused, before any model opts in

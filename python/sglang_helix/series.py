@@ -14,7 +14,12 @@ files must give back the pristine bytes. So ``check`` can say "applied", "pristi
 and ``revert`` returns the tree to exactly what pip installed.
 
 Commands (``python -m sglang_helix.series CMD``): install, check, revert, pristine DIR,
-workspace DIR, export DIR, upstream-branch CHECKOUT.
+workspace DIR, export DIR, upstream-branch CHECKOUT, prefixes.
+
+``prefixes`` checks that the series is bisectable: on a pristine tree it applies the patches one
+by one with ``git am`` and, after each, imports every module touched so far and every new module,
+probes whether ``--helix-kvp-size 2`` is accepted (only from the first model patch on, which opts
+a model in), and runs that patch's own tests (``PREFIX_TESTS``) against the tree as it stands.
 """
 
 from __future__ import annotations
@@ -73,21 +78,28 @@ class Series:
         """Upstream files the patches modify, relative to site-packages (``sglang/...``)."""
         touched = []
         for patch in self.patches:
-            for line in patch.read_text().splitlines():
-                if line.startswith("+++ ") or line.startswith("--- "):
-                    path = line[4:].strip()
-                    if path == "/dev/null":
-                        if line.startswith("+++ "):
-                            raise SeriesError(f"{patch.name} deletes a file; the series only edits")
-                        raise SeriesError(
-                            f"{patch.name} creates a file; new files belong in python/ instead"
-                        )
-                    rel = path.split("/", 1)[1]  # drop a/ or b/
-                    if not rel.startswith("python/"):
-                        raise SeriesError(f"{patch.name}: path {path} is outside python/")
-                    rel = rel[len("python/") :]
-                    if rel not in touched:
-                        touched.append(rel)
+            touched += [rel for rel in self.touched_files_of(patch) if rel not in touched]
+        return touched
+
+    @staticmethod
+    def touched_files_of(patch: Path) -> list[str]:
+        """Upstream files one patch modifies, relative to site-packages (``sglang/...``)."""
+        touched = []
+        for line in patch.read_text().splitlines():
+            if line.startswith("+++ ") or line.startswith("--- "):
+                path = line[4:].strip()
+                if path == "/dev/null":
+                    if line.startswith("+++ "):
+                        raise SeriesError(f"{patch.name} deletes a file; the series only edits")
+                    raise SeriesError(
+                        f"{patch.name} creates a file; new files belong in python/ instead"
+                    )
+                rel = path.split("/", 1)[1]  # drop a/ or b/
+                if not rel.startswith("python/"):
+                    raise SeriesError(f"{patch.name}: path {path} is outside python/")
+                rel = rel[len("python/") :]
+                if rel not in touched:
+                    touched.append(rel)
         return touched
 
 
@@ -412,6 +424,142 @@ def upstream_branch(series: Series, checkout: Path, branch: str) -> str:
     return f"branch {branch} on {checkout}: {len(series.patches)} patches" + (" + new modules" if series.new_files else "")
 
 
+# --------------------------------------------------------------------------------------------
+# Bisectability: every prefix of the series
+# --------------------------------------------------------------------------------------------
+# The tests each patch brings into force, run at the prefix that ends with it (pytest arguments,
+# relative to the repository; keyed by the patch subject). The whole suite runs on the full series.
+PREFIX_TESTS = {
+    "[Distributed] Do not create a PyNccl communicator for gloo groups": ["test/test_helix_groups.py"],
+    "[Kernel] Triton decode stage 2: optional merged-LSE output": [
+        "test/test_decode_lse_kernel.py", "-k", "bit_identical_to_pristine or shard_partials_merge_to_full_attention",
+    ],
+    "[Kernel] Triton decode stage 2: optional head-split output layout": [
+        "test/test_decode_lse_kernel.py", "-k", "head_split or bit_identical_to_pristine",
+    ],
+    "[Distributed] GroupCoordinator.all_to_all_single: direct path on CPU": [
+        "test/test_helix_merge.py", "-k", "a2a_merge_multiprocess and torch",
+    ],
+    "[Helix] Server args: the Helix flags and their resolution step": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k",
+        "kvp_size_below_one or tpa_size_negative or chunk_size_below_one or not_divisible_by_kvp or times_tpa "
+        "or kvp1_resolves",
+    ],
+    "[Helix] Process groups: the KVP group inside each TP group": ["test/test_helix_groups.py"],
+    "[Helix] KV cache: K/TPA heads per row, allocator ids widened by KVP": ["test/test_helix_kv_layout.py"],
+    "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
+        "test/test_helix_decode_graph.py",
+    ],
+    "[Helix] Llama: qkv_proj over TPA, Helix attention before o_proj": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k",
+        "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server",
+    ],
+    "[Helix] Qwen2: qkv_proj over TPA, Helix attention before o_proj": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen2",
+    ],
+    "[Helix] Qwen3, Qwen3-MoE: qkv_proj over TPA, Helix attention before o_proj": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen3",
+    ],
+    "[Helix] Mixtral: qkv_proj over TPA, Helix attention before o_proj": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
+    ],
+}
+# The first patch from which --helix-kvp-size > 1 must be accepted: it opts Llama in.
+FIRST_MODEL_FILE = "sglang/srt/models/llama.py"
+
+_PROBE = """
+import importlib, sys
+import sglang
+assert sglang.__file__.startswith(sys.argv[1]), f"sglang imported from {sglang.__file__}"
+for name in sys.argv[3].split(","):
+    importlib.import_module(name)
+print("IMPORTED", len(sys.argv[3].split(",")), flush=True)
+from sglang.srt.server_args import prepare_server_args
+try:
+    args = prepare_server_args(["--model-path", sys.argv[2], "--device", "cpu", "--tp", "2", "--helix-kvp-size", "2"])
+    args.resolve_once()
+    print("PROBE accepted")
+except SystemExit:
+    print("PROBE refused: --helix-kvp-size is not a flag")
+except ValueError as e:
+    print("PROBE refused:", e)
+"""
+
+
+def _patch_subject(patch: Path) -> str:
+    lines = patch.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Subject: "))
+    subject = lines[start][len("Subject: ") :]
+    for line in lines[start + 1 :]:
+        if not line.startswith(" "):
+            break
+        subject += line
+    return subject.removeprefix("[PATCH] ")
+
+
+def _module_name(rel: str) -> str:
+    """``sglang/srt/x/y.py`` -> ``sglang.srt.x.y`` (``__init__.py`` -> its package)."""
+    name = rel.removesuffix(".py").replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print) -> list[str]:
+    """Apply the series one patch at a time to a pristine tree in ``work`` and check each prefix.
+
+    Returns one line per prefix; raises ``SeriesError`` at the first prefix that fails.
+    """
+    from sglang_helix.testing.cpu_env import cpu_server_env
+    from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
+
+    tree = make_pristine(work / "tree")
+    model = write_tiny_model(str(work / "llama"), TinyModelSpec(num_heads=8, num_kv_heads=4))
+    root = tree / "python"
+    for rel in series.new_files:  # installed whole at every prefix, as `install` does
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(series.repo / "python" / rel, root / rel)
+    env = cpu_server_env(2, attention_backend="triton")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env["PYTHONPATH"]])
+    new_modules = [_module_name(rel) for rel in series.new_files if rel.endswith(".py")]
+    touched: list[str] = []
+    report = []
+    for i, patch in enumerate(series.patches, 1):
+        subject = _patch_subject(patch)
+        r = _run(["git", "am", "--keep-cr", "--keep-non-patch", "--committer-date-is-author-date", str(patch)],
+                 cwd=tree, check=False)  # fmt: skip
+        if r.returncode != 0:
+            raise SeriesError(f"prefix {i} ({patch.name}): git am failed:\n{r.stdout}{r.stderr}")
+        for rel in Series.touched_files_of(patch):
+            if rel.endswith(".py") and rel not in touched:
+                touched.append(rel)
+        modules = ["sglang.launch_server"] + [_module_name(rel) for rel in touched] + new_modules
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(root), model, ",".join(modules)],
+                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        probe = [line for line in r.stdout.splitlines() if line.startswith("PROBE ")]
+        if r.returncode != 0 or not probe:
+            raise SeriesError(f"prefix {i} ({patch.name}): import or probe failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+        accepted = probe[0] == "PROBE accepted"
+        expected = FIRST_MODEL_FILE in touched
+        if accepted != expected:
+            raise SeriesError(
+                f"prefix {i} ({patch.name}): --helix-kvp-size 2 is "
+                f"{'accepted' if accepted else 'refused'} on a Llama model, expected "
+                f"{'accepted' if expected else 'refused'} ({probe[0]})"
+            )
+        tests = PREFIX_TESTS.get(subject, [])
+        if run_tests and tests:
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *tests],
+                               cwd=series.repo, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+            summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+            if r.returncode != 0:
+                raise SeriesError(f"prefix {i} ({patch.name}): tests failed: {' '.join(tests)}\n{r.stdout[-5000:]}")
+        else:
+            summary = "no tests of its own"
+        line = f"{i:2d} {subject}: applies, imports {len(modules)} modules, flag {'accepted' if accepted else 'refused'}; {summary}"
+        log(line)
+        report.append(line)
+    return report
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m sglang_helix.series", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -425,6 +573,9 @@ def main(argv=None) -> int:
     ]:
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument("dir", type=Path)
+    sp = sub.add_parser("prefixes", help="check every prefix of the series: git am, imports, flag gate, its tests")
+    sp.add_argument("--no-tests", action="store_true", help="skip each patch's tests (PREFIX_TESTS)")
+    sp.add_argument("--work", type=Path, help="work directory (default: a temporary one, removed)")
     sp = sub.add_parser("upstream-branch", help="make a PR branch on an sglang git checkout")
     sp.add_argument("checkout", type=Path)
     sp.add_argument("--branch", default="helix-parallelism")
@@ -448,6 +599,13 @@ def main(argv=None) -> int:
         elif args.cmd == "export":
             for w in export(series, args.dir):
                 print(w.relative_to(series.repo))
+        elif args.cmd == "prefixes":
+            if args.work:
+                check_prefixes(series, args.work, run_tests=not args.no_tests)
+            else:
+                with tempfile.TemporaryDirectory(prefix="helix-prefixes-") as tmp:
+                    check_prefixes(series, Path(tmp), run_tests=not args.no_tests)
+            print(f"all {len(series.patches)} prefixes pass")
         elif args.cmd == "upstream-branch":
             print(upstream_branch(series, args.checkout, args.branch))
     except SeriesError as e:

@@ -131,11 +131,12 @@ def check_model(server_args: Any, cfg: Any) -> None:
     archs = list(getattr(model_config.hf_config, "architectures", None) or [])
     supported = helix_architectures()
     if not archs or any(a not in supported for a in archs):
+        given = f"--model-path {cfg.model_path} is {join(archs) or 'an unknown architecture'}"
+        if not supported:  # no model's attention implements Helix in this build
+            fail(f"--helix-kvp-size {kvp}: no model supports Helix in this build ({given}). Use --helix-kvp-size 1.")
         fail(
-            f"--helix-kvp-size {kvp} supports only {join(supported) or 'no model in this build'}"
-            f"{' models' if supported else ''}, but --model-path {cfg.model_path} is "
-            f"{join(archs) or 'an unknown architecture'}. Serve a supported "
-            "model, or use --helix-kvp-size 1."
+            f"--helix-kvp-size {kvp} supports only {join(supported)} models, but {given}. Serve a "
+            "supported model, or use --helix-kvp-size 1."
         )
     k = model_config.get_total_num_kv_heads()
     q = model_config.num_attention_heads
