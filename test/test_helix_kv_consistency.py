@@ -18,8 +18,8 @@ then also checked against transformers' argmax.
 
 Layouts: ``--tp 4 --helix-kvp-size 2 --helix-kvp-chunk-size 4`` on a GQA model (Q=8, K=4: TPA=2,
 two KV heads per rank), on both attention backends (``triton`` is the write/read path the GPU
-uses); and ``--tp 4 --helix-kvp-size 4 --helix-kvp-chunk-size 2`` on an MQA model (K=1: TPA=1), which the CPU
-engine runs with its KV heads zero-padded to 4 (see ``_real_heads``).
+uses); and ``--tp 4 --helix-kvp-size 4 --helix-kvp-chunk-size 2`` on an MQA model (K=1: TPA=1), whose one KV head
+the CPU engine keeps under Helix (the CPU-engine patch pads for TPA; ``_real_heads`` reads either).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from sglang_helix.testing.tiny_models import TinyModelSpec
 
 ATOL = 1e-4  # fp32
 
-# MQA: K = 1, so TPA = 1 and all --tp 4 ranks are KVP ranks of one slice. (The CPU engine pads the
-# KV heads to 4 zero-weight-padded heads at --tp 4: see _real_heads.)
+# MQA: K = 1, so TPA = 1 and all --tp 4 ranks are KVP ranks of one slice. (The CPU engine pads
+# heads for TPA under Helix, so it keeps one KV head; _real_heads also reads a padded pool.)
 MQA = TinyModelSpec(num_heads=8, num_kv_heads=1, head_dim=16, num_layers=2)
 
 # (prompt length, max_tokens): distinct final stored lengths (prompt + max_tokens - 1), crossing
