@@ -30,7 +30,9 @@ KVP group of the head slice each rank receives in the All-to-All (``tp_rank * Q/
 
 Results (2026-11-24, docs/upstream-pr.md): DCP is exact with ``qwen3_5``'s layout and with Llama's
 at --tp 4 --dcp-size 2 (K * dcp <= tp), and wrong for Llama at --tp 2 --dcp-size 2 and --tp 4
---dcp-size 4: query heads 4-7 come out exactly 0. Helix is exact at every layout.
+--dcp-size 4: query heads 4-7 come out exactly 0. Helix is exact at every layout. With the series'
+first patch (``[DCP] Refuse --dcp-size ...``) the launch refuses exactly the wrong rows ("launch
+refused"), on every platform.
 """
 
 
@@ -136,6 +138,25 @@ def merge(outs, lses):
     return [cp_lse_ag_out_rs_mha(outs[r].clone(), lses[r], Group(r, total)) for r in range(n)]
 
 
+ARCH = {"llama": "LlamaForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+
+
+def launch_check(tp: int, dcp: int, layout: str) -> str:
+    """What the series' [DCP] launch guard (arg_groups/attention_hook.py, every platform) says."""
+    from sglang.srt.arg_groups.attention_hook import _check_dcp_kv_head_layout
+    from sglang.srt.configs.model_config import AttentionArch
+
+    cfg = types.SimpleNamespace(
+        attention_arch=AttentionArch.MHA, hf_config=types.SimpleNamespace(architectures=[ARCH[layout]]),
+        get_num_kv_heads=lambda tp_, dcp_=1: pool_heads(tp_, dcp_),
+    )  # fmt: skip
+    try:
+        _check_dcp_kv_head_layout(tp, dcp, cfg)
+    except ValueError:
+        return "refused"
+    return "accepted"
+
+
 def run(tp: int, dcp: int, layout: str) -> None:
     ref = reference()
     n_pool = pool_heads(tp, dcp)
@@ -159,7 +180,8 @@ def run(tp: int, dcp: int, layout: str) -> None:
             zero_heads += [r * Q // tp + i for i in range(got.shape[0]) if not got[i].any()]
     print(
         f"{layout:8s} --tp {tp} --dcp-size {dcp}: pool KV heads {n_pool}, "
-        f"max |err| vs full attention {worst:.2e}, all-zero output heads {zero_heads}"
+        f"max |err| vs full attention {worst:.2e}, all-zero output heads {zero_heads}, "
+        f"launch {launch_check(tp, dcp, layout)}"
     )
 
 
@@ -169,13 +191,12 @@ CHUNK = 4  # --helix-kvp-chunk-size (small, so that every rank owns several chun
 def helix_run(tp: int, kvp: int) -> float:
     """Helix's decode for every rank of a --tp tp --helix-kvp-size kvp grid: max |err| of the heads
     each rank hands to o_proj."""
-    from sglang.srt.layers.helix.comm import merge_partials
-    from sglang.srt.layers.helix.ownership import owner_rank
+    from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton
 
     ref = reference()
     tpa = tp // kvp
     worst = 0.0
-    owner = owner_rank(torch.arange(S), kvp, CHUNK)
+    owner = (torch.arange(S) // CHUNK) % kvp  # DCP's layout with interleave_size = CHUNK
     for t in range(tpa):  # one TPA slice: KVP ranks with the same heads, different positions
         q_heads = list(range(t * Q // tpa, (t + 1) * Q // tpa))  # qkv_proj over TPA
         kv_heads = list(range(t * K // tpa, (t + 1) * K // tpa))
@@ -199,7 +220,7 @@ def helix_run(tp: int, kvp: int) -> float:
         outs, lses = torch.stack(outs), torch.stack(lses)  # [KVP, 1, Q/TPA, D], [KVP, 1, Q/TPA]
         g = Q // tp  # heads per destination after the All-to-All
         for k in range(kvp):  # what rank (t, k) merges: slice k of every member's heads
-            merged, _ = merge_partials(outs[:, :, k * g : (k + 1) * g], lses[:, :, k * g : (k + 1) * g])
+            merged, _ = dcp_lse_combine_triton(outs[:, :, k * g : (k + 1) * g], lses[:, :, k * g : (k + 1) * g])
             tp_rank = t * kvp + k
             want = ref[tp_rank * g : (tp_rank + 1) * g]  # o_proj's row shard of plain TP = N
             worst = max(worst, (merged[0].double() - want).abs().max().item())

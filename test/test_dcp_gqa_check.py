@@ -2,8 +2,8 @@
 
 The measurement quoted in docs/upstream-pr.md ("Relation to upstream DCP"): upstream's Triton MHA
 DCP decode, run with its own pieces, is exact with Qwen3.5's KV layout and with Llama's where
-K * dcp <= tp, and silently wrong for Llama otherwise (query heads 4-7 exactly 0); Helix is exact
-at every layout. If an upstream fix or a change of ours altered any of it, this fails and the
+K * dcp <= tp, and silently wrong for Llama otherwise (query heads 4-7 exactly 0), which the
+series' first patch refuses at launch on every platform; Helix is exact at every layout. If an upstream fix or a change of ours altered any of it, this fails and the
 document must change with it.
 """
 
@@ -25,13 +25,15 @@ def test_dcp_wrong_for_llama_gqa_helix_exact():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {}
     for line in proc.stdout.splitlines():
-        m = re.match(r"(\w+)\s+--tp (\d) --(dcp|helix-kvp)-size (\d).*max \|err\| vs full attention ([0-9.e+-]+)(?:, all-zero output heads (.*))?", line)
+        m = re.match(r"(\w+)\s+--tp (\d) --(dcp|helix-kvp)-size (\d).*max \|err\| vs full attention ([0-9.e+-]+)(?:, all-zero output heads (.*), launch (\w+))?", line)
         if m:
-            rows[(m[1], int(m[2]), int(m[4]))] = (float(m[5]), m[6])
+            rows[(m[1], int(m[2]), int(m[4]))] = (float(m[5]), m[6], m[7])
     assert len(rows) == 9, proc.stdout
-    for (layout, tp, size), (err, zero) in rows.items():
+    for (layout, tp, size), (err, zero, launch) in rows.items():
         wrong = layout == "llama" and (tp, size) in ((2, 2), (4, 4))  # K * dcp > tp
         assert (err > 0.1) == wrong, (layout, tp, size, err)
         assert err < 1e-5 or wrong, (layout, tp, size, err)
         if layout != "helix":
             assert zero == ("[4, 5, 6, 7]" if wrong else "[]"), (layout, tp, size, zero)
+            # The [DCP] patch's launch guard refuses exactly the corrupting layouts.
+            assert launch == ("refused" if wrong else "accepted"), (layout, tp, size, launch)

@@ -46,9 +46,9 @@ if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from sglang.srt.layers.helix import attention, comm, decode_state, kv_layout  # noqa: E402
+from sglang.srt.layers.dcp import comm as dcp_comm  # noqa: E402
+from sglang.srt.layers.helix import attention, decode_state, kv_layout  # noqa: E402
 from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
-from sglang.srt.layers.helix.ownership import owner_rank  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
@@ -71,10 +71,10 @@ STEPS = [
 ]
 KERNELS = {  # module, attribute: the kernel launches of a Helix decode step
     "decode_attention_fwd": attention,
-    "local_kv_indices_triton": decode_state,
+    "create_triton_kv_indices_for_dcp_triton": decode_state,  # upstream's list kernel
     "get_num_kv_splits_triton": decode_state,  # launched as kernel[grid](...)
-    "dcp_pack_a2a_send": comm,  # must NOT run: stage 2 writes the send buffer itself
-    "dcp_lse_combine_triton": comm,
+    "dcp_pack_a2a_send": dcp_comm,  # must NOT run: stage 2 writes the send buffer itself
+    "dcp_lse_combine_triton": dcp_comm,
 }
 
 
@@ -100,7 +100,7 @@ class _Exchange:
     def group(self, rank):
         exchange = self
 
-        class Group:  # what comm.py uses of a GroupCoordinator
+        class Group:  # what dcp_a2a_lse_reduce_packed uses of a GroupCoordinator
             world_size = KVP
 
             def all_to_all_single(self, output, input):
@@ -241,7 +241,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
     for name in ("item", "tolist", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, _forbid(name))
     monkeypatch.setattr(attention, "get_attn_backend", lambda: _tls.backend)
-    monkeypatch.setattr(attention, "get_helix_kvp_group", lambda: _tls.group)
+    monkeypatch.setattr(attention, "get_parallel", lambda: SimpleNamespace(helix_kvp_group=_tls.group))
 
     g = torch.Generator().manual_seed(0)
     page = CHUNK * KVP
@@ -264,9 +264,10 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             keys[slot][pos] = torch.randn(KVH, D, generator=g)
             values[slot][pos] = torch.randn(KVH, D, generator=g)
         locs = req_to_token[slot].long()
-        write, _ = kv_layout.write_rows(locs, 0, KVP, CHUNK)
         for pos in range(MAX_LEN):
-            buf = pools[owner_rank(pos, KVP, CHUNK)]
+            owner = (pos // CHUNK) % KVP
+            write = kv_layout.write_rows(locs, owner, KVP, CHUNK)
+            buf = pools[owner]
             buf.get_key_buffer(0)[write[pos]] = keys[slot][pos]
             buf.get_value_buffer(0)[write[pos]] = values[slot][pos]
 
@@ -401,9 +402,13 @@ def test_local_kv_indices_kernel_equals_kv_layout(kvp, chunk):
     slots, lens = torch.tensor([3, 0, 4, 1, 2]), torch.tensor([1, 7, 299, 130, 0])
     for rank in range(kvp):
         total = kv_layout.total_local_len(lens, rank, kvp, chunk)
-        indptr, indices, local_lens = kv_layout.local_kv_indices(req_to_token, slots, lens, total, rank, kvp, chunk)
+        indptr, indices, _ = kv_layout.local_kv_indices(req_to_token, slots, lens, total, rank, kvp, chunk)
+        local_lens = kv_layout.local_kv_lens(lens, rank, kvp, chunk)
         out = torch.full((total + 50,), -1, dtype=torch.int64)
-        decode_state.local_kv_indices_triton(req_to_token, slots, indptr, out, rank, kvp, chunk)
+        decode_state.create_triton_kv_indices_for_dcp_triton[(len(slots),)](
+            req_to_token, slots, local_lens, indptr, None, out, req_to_token.stride(0), kvp, rank,
+            interleave_size=chunk,
+        )  # fmt: skip
         assert torch.equal(out[:total], indices) and bool((out[total:] == -1).all()), rank
 
 
@@ -426,8 +431,7 @@ def test_eager_buffers_grow_and_are_reused():
             req_to_token, batch.req_pool_indices, batch.seq_lens, total, 1, KVP, CHUNK
         )
         assert torch.equal(meta.kv_indptr, indptr) and torch.equal(meta.kv_indices[:total], indices)
-        rows, owned = kv_layout.write_rows(batch.out_cache_loc, 1, KVP, CHUNK)
-        assert torch.equal(meta.write_rows, torch.where(owned, rows, decode_state.TRASH_ROW))
+        assert torch.equal(meta.write_rows, kv_layout.write_rows(batch.out_cache_loc, 1, KVP, CHUNK))
         assert state.eager.capacity >= total and state.eager.max_bs >= len(reqs)
     assert 1 < len({id(b) for b in seen}) < len(STEPS)  # grown, and reused in between
 
@@ -477,7 +481,6 @@ def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):
     from contextlib import contextmanager
 
     from sglang.srt.distributed import parallel_state
-    from sglang.srt.layers.helix import groups
 
     entered = []
 
@@ -492,14 +495,14 @@ def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):
 
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group("tp"))
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: Group("pp"))
-    for name in ("_DCP", "_ATTN_TP", "_SHARED_EXPERTS_TP", "_MOE_EP", "_MOE_TP"):
+    for name in ("_DCP", "_ATTN_TP", "_SHARED_EXPERTS_TP", "_MOE_EP", "_MOE_TP", "_HELIX_KVP"):
         monkeypatch.setattr(parallel_state, name, None)
     with parallel_state.graph_capture():
         pass
     assert entered == ["tp", "pp"]  # Helix off: as upstream
 
     entered.clear()
-    monkeypatch.setitem(groups._GROUPS, "helix_kvp_group", Group("helix_kvp"))
+    monkeypatch.setattr(parallel_state, "_HELIX_KVP", Group("helix_kvp"))
     with parallel_state.graph_capture():
         pass
     assert entered == ["tp", "pp", "helix_kvp"]

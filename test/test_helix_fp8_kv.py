@@ -11,7 +11,7 @@ The pool quantizes on write: ``MHATokenToKVPool.set_kv_buffer`` divides K/V by t
 Each case drives ``helix_attention`` on both ranks of a KVP = 2 layout, one real fp8
 ``MHATokenToKVPool`` per rank (CPU; Triton kernels under the interpreter), through a chunked
 prefill of two requests (two extends) and two decode steps. The All-to-All is replaced by
-collecting every rank's partials and merging them with ``merge_partials``. Reference: float64
+collecting every rank's partials and merging them with upstream's ``dcp_lse_combine_triton``. Reference: float64
 attention over the dequantized stored K/V (``stored * scale``), except, for a Triton extend, the
 keys of a query's own ownership-chunk segment, which the kernel reads unquantized from the K/V in
 hand. The default (a float32
@@ -39,10 +39,9 @@ if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from sglang.srt.layers.helix import attention, comm, kv_layout  # noqa: E402
-from sglang.srt.layers.helix.comm import merge_partials  # noqa: E402
-from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
-from sglang.srt.layers.helix.ownership import owner_rank  # noqa: E402
+from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
+from sglang.srt.layers.helix import attention, kv_layout  # noqa: E402
+from sglang.srt.layers.helix.decode_state import HelixDecodeState, send_views  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
@@ -151,15 +150,15 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
     ]  # fmt: skip
     layer = _layer(scales)
     partials = []
-    monkeypatch.setattr(attention, "helix_a2a_merge", lambda out, lse, group: partials.append((out, lse)) or out)
+    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce", lambda out, lse, group: partials.append((out, lse)) or out)
 
-    def merge_packed(send, recv, group, head_dim):  # a Triton decode: partials in the send layout
-        out, lse = comm.send_views(send, head_dim)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
-        T = out.shape[1]
+    def merge_packed(send, recv, T, group):  # a Triton decode: partials in the send layout
+        head_dim = D
+        out, lse = send_views(send, head_dim)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
         partials.append((out.transpose(0, 1).reshape(T, H, head_dim).clone(), lse.transpose(0, 1).reshape(T, H).clone()))
         return partials[-1][0]
 
-    monkeypatch.setattr(attention, "helix_a2a_merge_packed", merge_packed)
+    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce_packed", merge_packed)
     keys = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}  # what attention should see, by (slot, pos)
     values = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
 
@@ -192,9 +191,10 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
         t, in_hand = 0, {0: {}, 1: {}}
         for slot, prefix, seq in reqs:
             locs = req_to_token[slot, :seq].long()
-            rows, _ = kv_layout.write_rows(locs, 0, KVP, CHUNK)
             for pos in range(seq):
-                pool = pools[owner_rank(pos, KVP, CHUNK)]
+                owner = (pos // CHUNK) % KVP
+                pool = pools[owner]
+                rows = kv_layout.write_rows(locs, owner, KVP, CHUNK)
                 keys[slot][pos] = pool.get_key_buffer(0)[rows[pos]].float() * k_scale
                 values[slot][pos] = pool.get_value_buffer(0)[rows[pos]].float() * v_scale
             for pos in range(prefix, seq):
@@ -204,7 +204,7 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
                 in_hand[slot][pos] = (k[t], v[t])
                 t += 1
 
-        out, _ = merge_partials(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
+        out, _ = dcp_lse_combine_triton(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
         ref = _reference(q, keys, values, reqs, in_hand if backend_name == "triton" and mode == "extend" else None)
         # Triton's GQA kernels multiply fp8 V by the probabilities cast to fp8: up to ~0.06 (e4m3)
         # and ~0.18 (e5m2) off here. K/V left divided by the scales, or read back unscaled: > 2.

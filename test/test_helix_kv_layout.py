@@ -10,7 +10,8 @@ with ``req_to_token`` kept as upstream keeps it. After every step, on every KVP 
   rank's pool ``[chunk, rows_per_rank + chunk)`` (rows ``[0, chunk)`` are the reserved logical
   page 0: the trash row), and used by no other live token;
 - the local KV lists (``kv_layout.local_kv_indices``) of every live request are exactly the rows
-  written for it on that rank, in position order (``local_kv_len`` of them);
+  written for it on that rank, in position order (``local_kv_lens`` of them), and upstream's list
+  kernel with ``interleave_size = chunk`` (what the decode runs) builds the same lists;
 - the allocator's free size is the initial one minus the pages the live requests hold, and after
   everything is freed it is the initial one.
 
@@ -26,6 +27,11 @@ import random
 import sys
 from dataclasses import dataclass
 
+
+def owner_rank(pos, kvp: int, chunk: int):
+    """The ownership rule, written out: runs of ``chunk`` positions rotate over the KVP ranks."""
+    return (pos // chunk) % kvp
+
 # The allocator's Triton kernels on CPU tensors need the interpreter (read when they are decorated).
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -38,7 +44,7 @@ if STUB_DIR not in sys.path:  # the allocator's imports pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
 from sglang.srt.layers.helix import kv_layout  # noqa: E402
-from sglang.srt.layers.helix.ownership import local_kv_len, owner_rank  # noqa: E402
+from sglang.kernels.ops.attention.dcp_kernels import create_triton_kv_indices_for_dcp_triton  # noqa: E402
 from sglang.srt.mem_cache.allocator import paged  # noqa: E402
 
 NUM_SLOTS, MAX_CONTEXT = 6, 160
@@ -119,8 +125,9 @@ class Harness:
         self.req_to_token[slots, pos] = locs.to(torch.int32)
         owners = torch.zeros(len(positions), dtype=torch.int64)
         for k in range(self.kvp):
-            rows, mine = kv_layout.write_rows(locs, k, self.kvp, self.chunk)
-            assert torch.equal(mine, owner_rank(pos, self.kvp, self.chunk) == k)  # owner by loc == by position
+            rows = kv_layout.write_rows(locs, k, self.kvp, self.chunk)
+            mine = owner_rank(pos, self.kvp, self.chunk) == k  # owner by position ...
+            assert torch.equal(rows != kv_layout.TRASH_ROW, mine)  # ... == owner by loc
             owners += mine
             for i in mine.nonzero().flatten().tolist():
                 row, (r, p) = int(rows[i]), positions[i]
@@ -140,13 +147,20 @@ class Harness:
         lens = torch.tensor([r.kv_len for r in live])
         for k in range(self.kvp):
             total = kv_layout.total_local_len(lens, k, self.kvp, self.chunk)
-            indptr, indices, local_lens = kv_layout.local_kv_indices(
+            indptr, indices, positions = kv_layout.local_kv_indices(
                 self.req_to_token, slots, lens, total, k, self.kvp, self.chunk
             )
-            positions = kv_layout.owned_positions(indptr, total, k, self.kvp, self.chunk)
+            local_lens = kv_layout.local_kv_lens(lens, k, self.kvp, self.chunk)
+            if self.alloc.use_triton_kernels:  # upstream's list kernel, interpreted here too
+                kernel_indices = torch.full((total + 3,), -1, dtype=torch.int64)
+                create_triton_kv_indices_for_dcp_triton[(len(live),)](
+                    self.req_to_token, slots, local_lens, indptr, None, kernel_indices,
+                    self.req_to_token.stride(0), self.kvp, k, interleave_size=self.chunk,
+                )  # fmt: skip
+                assert torch.equal(kernel_indices[:total], indices) and kernel_indices[total:].eq(-1).all()
             for b, r in enumerate(live):
                 owned = [p for p in range(r.kv_len) if owner_rank(p, self.kvp, self.chunk) == k]
-                assert int(local_lens[b]) == len(owned) == local_kv_len(r.kv_len, k, self.kvp, self.chunk)
+                assert int(local_lens[b]) == len(owned)
                 lo, hi = int(indptr[b]), int(indptr[b + 1])
                 assert indices[lo:hi].tolist() == [self.rows[(r.rid, p)][1] for p in owned]
                 assert positions[lo:hi].tolist() == owned
@@ -244,5 +258,6 @@ def test_triton_allocator_needs_power_of_two_pages(monkeypatch):
 def test_write_rows_of_tokens_a_rank_does_not_own():
     locs = torch.arange(16, 48)  # pages 1..2 of P=16 (chunk 4, KVP 4)
     for k in range(4):
-        rows, mine = kv_layout.write_rows(locs, k, 4, 4)
+        rows = kv_layout.write_rows(locs, k, 4, 4)
+        mine = rows != kv_layout.TRASH_ROW
         assert mine.sum() == 8 and owner_rank(locs[mine], 4, 4).eq(k).all()

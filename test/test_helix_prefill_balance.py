@@ -70,7 +70,7 @@ def _lens(indptr: torch.Tensor) -> list:
 
 def triton_pairs(reqs, kvp_rank: int, kvp: int, pool: torch.Tensor) -> int:
     fb = _forward_batch(reqs, pool)
-    meta = HelixForwardMetadata(kvp_rank, kvp, CHUNK, None, None, None, 0)
+    meta = HelixForwardMetadata(kvp_rank, kvp, CHUNK, None, None, None, 0, None)
     x = TritonExtendLists.build(fb, meta, pool)
     prefix = sum(e * n for e, n in zip(x.extend_lens_cpu, _lens(x.prefix_kv_indptr)))
     earlier = sum(e * n for e, n in zip(x.seg_lens_cpu, _lens(x.seg_kv_indptr)))
@@ -82,10 +82,8 @@ def torch_pairs(reqs, kvp_rank: int, kvp: int, pool: torch.Tensor) -> int:
     """Pairs (query, owned key at a position <= the query's) of the torch path's masked softmax."""
     total = 0
     for slot, prefix, seq in reqs:
-        positions = kv_layout.owned_positions(
-            torch.tensor([0, kv_layout.total_local_len([seq], kvp_rank, kvp, CHUNK)]),
-            kv_layout.total_local_len([seq], kvp_rank, kvp, CHUNK), kvp_rank, kvp, CHUNK,
-        )  # fmt: skip
+        local = torch.arange(kv_layout.total_local_len([seq], kvp_rank, kvp, CHUNK))
+        positions = kv_layout.global_position(local, kvp_rank, kvp, CHUNK)
         for q in range(prefix, seq):
             total += int((positions <= q).sum())
     return total
@@ -128,7 +126,7 @@ def test_before_the_split_rank_0_did_most_of_a_chunk():
     same counter: what the test above would have caught."""
     for kvp in (2, 4, 8):
         prefix, seq = PREFILL_CHUNK, 2 * PREFILL_CHUNK  # the prompt's second chunk
-        owned_prefix = [kv_layout.local_kv_len(prefix, r, kvp, CHUNK) for r in range(kvp)]
+        owned_prefix = [int(kv_layout.local_kv_lens(prefix, r, kvp, CHUNK)) for r in range(kvp)]
         e = seq - prefix
         work = [e * owned_prefix[r] + (e * (e + 1) // 2 if r == 0 else 0) for r in range(kvp)]
         assert max(work) > 1.2 * sum(work) / kvp, work
@@ -145,12 +143,13 @@ def test_segments_tile_the_new_tokens_and_the_lists_hold_only_owned_keys(kvp):
         assert st // CHUNK == (st + ln - 1) // CHUNK  # one ownership chunk each
     for r in range(kvp):
         fb = _forward_batch(reqs, pool)
-        x = TritonExtendLists.build(fb, HelixForwardMetadata(r, kvp, CHUNK, None, None, None, 0), pool)
+        x = TritonExtendLists.build(fb, HelixForwardMetadata(r, kvp, CHUNK, None, None, None, 0, None), pool)
         indptr = x.seg_kv_indptr.tolist()
         for s, (b, st) in enumerate(zip(request, start)):
             slot, prefix, _ = reqs[b]
             want = [p for p in range(prefix, st) if (p // CHUNK) % kvp == r]
-            rows = kv_layout.local_position(pool[slot, want].long(), kvp, CHUNK).tolist()
+            loc = pool[slot, want].long()
+            rows = ((loc // (CHUNK * kvp)) * CHUNK + loc % CHUNK).tolist()  # the owner's compact row
             assert x.seg_kv_indices[indptr[s] : indptr[s + 1]].tolist() == rows, (r, s)
         owned = torch.cat([torch.full((ln,), (st // CHUNK) % kvp == r) for st, ln in zip(start, length)])
         assert torch.equal(x.seg_owned, owned)

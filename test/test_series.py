@@ -26,6 +26,8 @@ from sglang_helix.series import (
     revert,
     state,
     upstream_branch,
+    NEW_MODULE_PATCHES,
+    _patch_subject,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,10 +168,12 @@ def test_upstream_branch(tmp_path, repo_copy, wheel):
     upstream_branch(repo_copy, checkout, "helix")
     assert _git("rev-parse", "--abbrev-ref", "HEAD", cwd=checkout) == "helix"
     subjects = _git("log", "--format=%s", "v0.5.23-pristine..HEAD", cwd=checkout).splitlines()[::-1]
-    assert subjects[0] == "[Helix] Add Helix parallelism modules"
-    assert len(subjects) == 1 + len(repo_copy.patches)
+    assert subjects == [_patch_subject(p) for p in repo_copy.patches]  # one commit per patch
     for rel in repo_copy.new_files:
         assert (checkout / "python" / rel).read_bytes() == (repo_copy.repo / "python" / rel).read_bytes()
+        # ... added by the commit of the patch that first uses it (no inert commit of new code)
+        added_by = _git("log", "--diff-filter=A", "--format=%s", "--", f"python/{rel}", cwd=checkout)
+        assert added_by == NEW_MODULE_PATCHES[rel], (rel, added_by)
     # The branch's upstream files equal pristine + series.
     ws = make_workspace(repo_copy, tmp_path / "ws", wheel)
     for rel in repo_copy.touched_files():

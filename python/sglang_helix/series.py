@@ -411,17 +411,17 @@ def upstream_branch(series: Series, checkout: Path, branch: str) -> str:
             f"(git describe: {tag.stdout.strip() or tag.stderr.strip()}); check out v{PINNED_SGLANG_VERSION} first"
         )
     _run(["git", "checkout", "-q", "-b", branch], cwd=checkout)
-    for rel in series.new_files:
-        dst = checkout / "python" / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(series.repo / "python" / rel, dst)
-        _run(["git", "add", f"python/{rel}"], cwd=checkout)
-    if series.new_files:
-        _run(["git", "commit", "-q", "-m", "[Helix] Add Helix parallelism modules\n\n"
-              "New modules for Helix parallelism (KVP x TPA attention, All-to-All LSE merge).\n"
-              "Nothing imports them until the following commits wire them in."], cwd=checkout)  # fmt: skip
-    _git_am(series, checkout)
-    return f"branch {branch} on {checkout}: {len(series.patches)} patches" + (" + new modules" if series.new_files else "")
+    for patch in series.patches:  # each new module in the commit of the patch that first uses it
+        _run(["git", "am", "--keep-non-patch", "--committer-date-is-author-date", str(patch)], cwd=checkout)
+        rels = modules_of(series, _patch_subject(patch))
+        for rel in rels:
+            dst = checkout / "python" / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(series.repo / "python" / rel, dst)
+            _run(["git", "add", f"python/{rel}"], cwd=checkout)
+        if rels:
+            _run(["git", "commit", "-q", "--amend", "--no-edit"], cwd=checkout)
+    return f"branch {branch} on {checkout}: {len(series.patches)} commits, new modules in the commits that use them"
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,6 +430,17 @@ def upstream_branch(series: Series, checkout: Path, branch: str) -> str:
 # The tests each patch brings into force, run at the prefix that ends with it (pytest arguments,
 # relative to the repository; keyed by the patch subject). The whole suite runs on the full series.
 PREFIX_TESTS = {
+    "[DCP] Refuse --dcp-size where a GQA model's DCP group would hold different KV heads": [
+        "test/test_dcp_extensions.py", "-k", "guard",
+    ],
+    "[DCP] KV index kernel: an interleave_size, as get_dcp_lens has": ["test/test_dcp_extensions.py", "-k", "kernel"],
+    "[DCP] a2a LSE reduce: an entry point for partials already in the send layout": [
+        "test/test_dcp_extensions.py", "-k", "packed",
+    ],
+    "[DCP] dcp_group_ranks(): the DCP group layout as a function": ["test/test_dcp_extensions.py", "-k", "group_ranks"],
+    "[CPU] DCP a2a LSE reduce: torch pack and combine where Triton does not run": [
+        "test/test_dcp_extensions.py", "-k", "torch",
+    ],
     "[Distributed] Do not create a PyNccl communicator for gloo groups": ["test/test_helix_groups.py"],
     "[Kernel] Triton decode stage 2: optional merged-LSE output": [
         "test/test_decode_lse_kernel.py", "-k", "bit_identical_to_pristine or shard_partials_merge_to_full_attention",
@@ -438,7 +449,7 @@ PREFIX_TESTS = {
         "test/test_decode_lse_kernel.py", "-k", "head_split or bit_identical_to_pristine",
     ],
     "[Distributed] GroupCoordinator.all_to_all_single: direct path on CPU": [
-        "test/test_helix_merge.py", "-k", "a2a_merge_multiprocess and torch",
+        "test/test_dcp_extensions.py", "-k", "all_to_all_single",
     ],
     "[Helix] Server args: the Helix flags and their resolution step": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
@@ -450,7 +461,10 @@ PREFIX_TESTS = {
     "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
         "test/test_helix_decode_graph.py",
     ],
-    "[Helix] Llama: qkv_proj over TPA, Helix attention before o_proj": [
+    "[Helix] linear: helix_attention_tp(), how an attention layer shards its heads": [
+        "test/test_helix_import.py",
+    ],
+    "[Helix] Llama, Mistral: qkv_proj over TPA, Helix attention before o_proj": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server",
     ],
@@ -464,6 +478,31 @@ PREFIX_TESTS = {
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
 }
+# Each new module enters with the patch that first uses it (the prefix check installs it there,
+# the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.
+_SERVER_ARGS = "[Helix] Server args: the Helix flags and their resolution step"
+_TRITON_BACKEND = "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks"
+NEW_MODULE_PATCHES = {
+    "sglang/srt/arg_groups/helix_checks.py": _SERVER_ARGS,
+    "sglang/srt/arg_groups/helix_defaults.py": _SERVER_ARGS,
+    "sglang/srt/arg_groups/helix_hook.py": _SERVER_ARGS,
+    "sglang/srt/arg_groups/helix_sizes.py": _SERVER_ARGS,
+    "sglang/srt/arg_groups/helix_unsupported.py": _SERVER_ARGS,
+    "sglang/srt/layers/helix/__init__.py": _TRITON_BACKEND,
+    "sglang/srt/layers/helix/kv_layout.py": _TRITON_BACKEND,
+    "sglang/srt/layers/helix/decode_state.py": _TRITON_BACKEND,
+    "sglang/srt/layers/helix/attention.py": "[Helix] linear: helix_attention_tp(), how an attention layer shards its heads",
+}
+
+
+def modules_of(series: "Series", subject: str) -> list[str]:
+    """The new modules (paths under python/) that enter with the patch ``subject``."""
+    unmapped = sorted(set(series.new_files) - set(NEW_MODULE_PATCHES))
+    if unmapped:
+        raise SeriesError(f"new modules with no introducing patch in NEW_MODULE_PATCHES: {unmapped}")
+    return [rel for rel in series.new_files if NEW_MODULE_PATCHES[rel] == subject]
+
+
 # The first patch from which --helix-kvp-size > 1 must be accepted: it opts Llama in.
 FIRST_MODEL_FILE = "sglang/srt/models/llama.py"
 
@@ -514,12 +553,9 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
     tree = make_pristine(work / "tree")
     model = write_tiny_model(str(work / "llama"), TinyModelSpec(num_heads=8, num_kv_heads=4))
     root = tree / "python"
-    for rel in series.new_files:  # installed whole at every prefix, as `install` does
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(series.repo / "python" / rel, root / rel)
     env = cpu_server_env(2, attention_backend="triton")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env["PYTHONPATH"]])
-    new_modules = [_module_name(rel) for rel in series.new_files if rel.endswith(".py")]
+    new_modules: list[str] = []
     touched: list[str] = []
     report = []
     for i, patch in enumerate(series.patches, 1):
@@ -531,6 +567,10 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
         for rel in Series.touched_files_of(patch):
             if rel.endswith(".py") and rel not in touched:
                 touched.append(rel)
+        for rel in modules_of(series, subject):  # the new modules this patch brings in
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(series.repo / "python" / rel, root / rel)
+            new_modules.append(_module_name(rel))
         modules = ["sglang.launch_server"] + [_module_name(rel) for rel in touched] + new_modules
         r = subprocess.run([sys.executable, "-c", _PROBE, str(root), model, ",".join(modules)],
                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -21,14 +21,13 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
     def dump(attention, layer, forward_batch):
         import torch
 
-        from sglang.srt.layers.helix import kv_layout
         from sglang.srt.model_executor.forward_context import get_attn_backend
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
         meta = attention.HelixForwardMetadata.build(forward_batch)  # the host-built lists
         kv_pool = get_attn_backend().token_to_kv_pool
-        positions = kv_layout.owned_positions(meta.kv_indptr, meta.total_local, meta.kvp_rank, meta.kvp_size, meta.chunk)
+        positions = meta.kv_positions
         k_buf = kv_pool.get_key_buffer(layer.layer_id)
         v_buf = kv_pool.get_value_buffer(layer.layer_id)
         indptr = meta.kv_indptr.tolist()

@@ -14,19 +14,6 @@ from typing import Any
 # What the Helix attention path is implemented for. Other backends size heads
 # by the attention-TP width and have no partial-output + LSE path.
 HELIX_ATTENTION_BACKENDS = ("triton", "torch_native")
-# The architectures Helix is verified on. A model class opts in with `supports_helix = True`
-# (its attention calls helix_attention_tp + helix_attention: docs/helix-design.md, "Adding a
-# model"); both must hold, so a subclass that inherits the opt-in is not served unverified.
-HELIX_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",  # a LlamaForCausalLM subclass
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-)
-# The field default (arg_groups/fields/parallel.py; why 64: docs/helix-flags.md).
-DEFAULT_HELIX_KVP_CHUNK_SIZE = 64
 
 
 class HelixConfigError(ValueError):
@@ -91,7 +78,7 @@ def check_flags(server_args: Any, cfg: Any) -> None:
             "--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size "
             f"{cfg.helix_kvp_chunk_size}. It is the number of consecutive tokens "
             "one KVP rank stores before ownership moves to the next rank; the "
-            f"default is {DEFAULT_HELIX_KVP_CHUNK_SIZE}."
+            f"default is {_field_default('helix_kvp_chunk_size')}."
         )
     if n % kvp:
         fail(
@@ -166,6 +153,7 @@ def check_model(server_args: Any, cfg: Any) -> None:
             f"query heads. Use a --tp that divides {q}, or use "
             "--helix-kvp-size 1."
         )
+    _check_head_dim(cfg, model_config)
     quantization = model_config.quantization
     if quantization:  # a quantized checkpoint (the flags: helix_unsupported)
         unsupported(
@@ -179,11 +167,36 @@ def check_model(server_args: Any, cfg: Any) -> None:
 
 
 def helix_architectures() -> list:
-    """The verified architectures whose model class opts into Helix (``supports_helix``)."""
+    """The architectures whose model class opts into Helix in its own body (``supports_helix =
+    True``, set where its attention calls ``helix_attention_tp``: docs/helix-design.md, "Adding a
+    model"). The opt-in is not inherited: a subclass is not served unverified."""
     from sglang.srt.models.registry import ModelRegistry
 
     ModelRegistry.get_supported_archs()  # imports the model modules once
-    return [a for a in HELIX_ARCHITECTURES if getattr(ModelRegistry.models.get(a), "supports_helix", False)]
+    return sorted(arch for arch, cls in ModelRegistry.models.items() if vars(cls).get("supports_helix", False))
+
+
+def _field_default(name: str) -> Any:
+    import msgspec
+
+    from sglang.srt.arg_groups.fields.parallel import Parallel
+
+    return next(f.default for f in msgspec.structs.fields(Parallel) if f.name == name)
+
+
+def _check_head_dim(cfg: Any, model_config: Any) -> None:
+    """The All-to-All packs each head's fp32 LSE after its output, and the LSE combine loads a
+    head row whole (``tl.arange(0, D)``): the head dims must be powers of two, at least 2 (the
+    LSE takes 2 columns of a 16-bit output). Refused here, not at the first forward."""
+    kvp = cfg.helix_kvp_size
+    for field, dim in (("head_dim", model_config.head_dim), ("v_head_dim", model_config.v_head_dim)):
+        if dim < 2 or dim & (dim - 1):
+            fail(
+                f"--helix-kvp-size {kvp} needs power-of-two attention head dims, but --model-path "
+                f"{cfg.model_path} has {field} {dim}: the Helix All-to-All and LSE combine "
+                "(upstream DCP's dcp_a2a_lse_reduce) take whole power-of-two head rows. Use "
+                "--helix-kvp-size 1."
+            )
 
 
 # The MLP widths adjust_config_with_unaligned_cpu_tp pads (dense and expert MLPs).

@@ -31,22 +31,21 @@ from typing import Optional, Tuple
 
 import torch
 
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton
 from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed
+from sglang.srt.layers.dcp.layout import localize_dcp_indices
 from sglang.srt.layers.helix import kv_layout
-from sglang.srt.layers.helix.comm import helix_a2a_merge, helix_a2a_merge_packed, merge_partials, send_views
 from sglang.srt.layers.helix.decode_state import (
-    TRASH_ROW,
     HelixDecodeMetadata,
     HelixDecodeState,
     kv_split_policy,
     num_kv_splits_by_local_len,
+    send_views,
 )
-from sglang.srt.layers.helix.groups import get_helix_kvp_group
-from sglang.srt.layers.helix.ownership import owner_rank
-from sglang.srt.layers.linear import ReplicatedParallelGroup
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.runtime_context import get_parallel
 
@@ -61,8 +60,8 @@ class HelixForwardMetadata:
     kv_indptr: torch.Tensor  # [B+1] local KV list of positions [0, seq_len) (new tokens included)
     kv_indices: torch.Tensor  # [L]
     total_local: int
-    # torch_native: global positions of the listed keys [L], and kv_indptr on the host
-    kv_positions: Optional[torch.Tensor] = None
+    kv_positions: torch.Tensor  # [L] global positions of the listed keys (causal masks)
+    # torch_native: kv_indptr on the host
     kv_indptr_host: Optional[list] = None
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
@@ -71,14 +70,13 @@ class HelixForwardMetadata:
     def build(cls, forward_batch) -> "HelixForwardMetadata":
         parallel = get_parallel()
         k, n, c = parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
-        rows, owned = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
-        rows = torch.where(owned, rows, TRASH_ROW)
+        rows = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
         pool = _req_to_token(get_attn_backend())
         total = kv_layout.total_local_len(forward_batch.seq_lens_cpu, k, n, c)
-        indptr, indices, _ = kv_layout.local_kv_indices(
+        indptr, indices, positions = kv_layout.local_kv_indices(
             pool, forward_batch.req_pool_indices, forward_batch.seq_lens, total, k, n, c
         )
-        return cls(k, n, c, rows, indptr, indices, total)
+        return cls(k, n, c, rows, indptr, indices, total, positions)
 
     @classmethod
     def of(cls, forward_batch) -> "HelixForwardMetadata":
@@ -138,7 +136,7 @@ class TritonExtendLists:
         seg_lens = torch.tensor(length, dtype=torch.int64, device=device)
         seg_qo = torch.zeros(len(length) + 1, dtype=torch.int32, device=device)
         torch.cumsum(seg_lens, dim=0, out=seg_qo[1:])
-        owned = owner_rank(seg_start, n, c) == k  # [S]
+        owned = localize_dcp_indices(seg_start, n, k, interleave_size=c) >= 0  # [S]
         seg_owned = torch.repeat_interleave(owned, seg_lens, output_size=sum(length))  # [T]
         return cls(
             qo, prefix_indptr, prefix_indices, max(extend_cpu), extend_cpu,
@@ -153,27 +151,6 @@ def _req_to_token(backend) -> torch.Tensor:
     return backend.req_to_token  # triton
 
 
-
-def helix_attention_tp(tp_size: int, parallel_group=None):
-    """``(attn_tp_size, qkv_parallel_group, helix)``: how an attention layer shards its heads.
-
-    This is how a model opts into Helix (with ``supports_helix = True`` on its model class). In
-    its attention module's ``__init__``::
-
-        tp_size, qkv_parallel_group, self.helix = helix_attention_tp(tp_size, parallel_group)
-        ...  # heads over tp_size as before; QKVParallelLinear(..., parallel_group=qkv_parallel_group)
-
-    and in ``forward``, ``helix_attention(self.attn, q, k, v, forward_batch)`` in place of
-    ``self.attn(...)`` when ``self.helix`` (see docs/helix-design.md, "Adding a model").
-
-    Helix off: ``(tp_size, parallel_group, False)``, the layer's own values: it is built exactly as
-    before. Helix on: ``(TPA, ReplicatedParallelGroup("tp", KVP), True)``: ``qkv_proj`` is sharded
-    over TPA and replicated over the KVP ranks of a TPA slice (rank ``tp_rank // KVP``).
-    """
-    parallel = get_parallel()
-    if not parallel.helix_enabled:
-        return tp_size, parallel_group, False
-    return parallel.helix_tpa_size, ReplicatedParallelGroup("tp", parallel.helix_kvp_size), True
 
 def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads: ``[T, Q/N * Dv]``, ready for ``o_proj``.
@@ -204,16 +181,17 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
     else:
         kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
 
-    group = get_helix_kvp_group()
+    # One All-to-All of the partials over the KVP group + the LSE combine: [T, Q/N, Dv]
+    group = get_parallel().helix_kvp_group
     if isinstance(meta, HelixDecodeMetadata):
-        send, recv = _triton_decode(layer, q, meta, backend)
-        merged = helix_a2a_merge_packed(send, recv, group, layer.v_head_dim)  # [T, Q/N, Dv]
+        send, recv = _triton_decode(layer, q, meta, backend)  # send already holds the partials
+        merged = dcp_a2a_lse_reduce_packed(send, recv, q.shape[0], group)
     else:
         if triton:
             out, lse = _triton_extend(layer, q, k, v, forward_batch, meta, backend)
         else:
             out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
-        merged = helix_a2a_merge(out, lse, group)  # [T, Q/N, Dv]
+        merged = dcp_a2a_lse_reduce(out, lse, group)
     return merged.reshape(merged.shape[0], -1)
 
 
@@ -248,10 +226,7 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
     group = H // num_kv_heads
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    if meta.kv_positions is None:  # once per batch (CPU path: host values are free here)
-        meta.kv_positions = kv_layout.owned_positions(
-            meta.kv_indptr, meta.total_local, meta.kvp_rank, meta.kvp_size, meta.chunk
-        )
+    if meta.kv_indptr_host is None:  # once per batch (CPU path: host values are free here)
         meta.kv_indptr_host = meta.kv_indptr.tolist()
     key_pos, indptr = meta.kv_positions, meta.kv_indptr_host
     decode = forward_batch.forward_mode.is_decode()
@@ -354,5 +329,4 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, ba
             skip_extend=skip_extend, skip_prefix=skip_prefix, extend_seq_lens_cpu=lens_cpu,
         )  # fmt: skip
     lses[2].masked_fill_(~x.seg_owned[:, None], float("-inf"))
-    out, lse = merge_partials(outs, lses)
-    return out, lse
+    return dcp_lse_combine_triton(outs, lses, return_lse=True)  # [T, Q/TPA, Dv], [T, Q/TPA]

@@ -27,9 +27,9 @@ runs eagerly and inside a CUDA graph:
 Padded requests of a replayed graph (``seq_len`` 1, slot 0, write loc 0) list position 0 on KVP
 rank 0 and nothing elsewhere, and write to the trash row: harmless, their outputs are dropped.
 
-``local_kv_indices_triton`` is the list builder of ``kv_layout.local_kv_indices`` as one Triton
-program per request (no host-sized allocation); it runs compiled on CUDA/ROCm/XPU and under the
-interpreter on the CPU, and is tested against ``kv_layout.local_kv_indices``.
+The local KV lists come from upstream DCP's list kernel, ``create_triton_kv_indices_for_dcp_triton``
+with ``interleave_size = chunk`` (one program per request, no host-sized allocation), over the
+local lengths of ``get_dcp_lens``; it is tested against ``kv_layout.local_kv_indices``.
 """
 
 from __future__ import annotations
@@ -40,18 +40,14 @@ from typing import Optional, Tuple
 
 import torch
 import triton
-import triton.language as tl
 
+from sglang.kernels.ops.attention.dcp_kernels import _lse_pack_dim, create_triton_kv_indices_for_dcp_triton
 from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
-from sglang.srt.layers.helix import kv_layout
-from sglang.srt.layers.helix.comm import a2a_buffer_shape
-from sglang.srt.layers.helix.ownership import local_kv_len, local_kv_len_upper_bound
+from sglang.srt.layers.helix.kv_layout import local_kv_lens, write_rows
 from sglang.srt.runtime_context import get_parallel
 
 logger = logging.getLogger(__name__)
 
-TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
-_BLOCK = 128  # local positions per loop iteration of the list builder
 # Split cap of the per-request split policy (a GPU): at batch 1 a rank's shard of a long context
 # needs far more than upstream's default 8 splits to fill the SMs (docs/helix-design.md).
 HELIX_MAX_KV_SPLITS = 64
@@ -60,55 +56,17 @@ HELIX_MAX_KV_SPLITS = 64
 HELIX_MIN_TOKENS_PER_SPLIT = 256
 
 
-@triton.jit
-def _local_kv_indices_kernel(
-    req_to_token,  # [R, max_context] logical locs
-    req_to_token_stride,
-    req_pool_indices,  # [B]
-    kv_indptr,  # [B+1]
-    kv_indices,  # [capacity] out: physical rows
-    kvp_rank,
-    KVP: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # ownership.py in kernel form: local position j of this rank is global position
-    # (j // CHUNK) * PAGE + kvp_rank * CHUNK + j % CHUNK; a logical loc's physical row is
-    # (loc // PAGE) * CHUNK + loc % CHUNK (PAGE = CHUNK * KVP).
-    PAGE: tl.constexpr = CHUNK * KVP
-    b = tl.program_id(0)
-    slot = tl.load(req_pool_indices + b).to(tl.int64)
-    start = tl.load(kv_indptr + b).to(tl.int64)
-    n = tl.load(kv_indptr + b + 1).to(tl.int64) - start
-    for j0 in range(0, n, BLOCK):
-        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-        mask = j < n
-        pos = (j // CHUNK) * PAGE + kvp_rank * CHUNK + j % CHUNK
-        loc = tl.load(req_to_token + slot * req_to_token_stride + pos, mask=mask, other=0).to(tl.int64)
-        tl.store(kv_indices + start + j, (loc // PAGE) * CHUNK + loc % CHUNK, mask=mask)
+def a2a_buffer_shape(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, kvp_size: int):
+    """The send / receive buffer of ``dcp_a2a_lse_reduce_packed``: ``[KVP, T, H/KVP, D + lpd]`` of
+    ``dtype``, the fp32 LSE packed into ``lpd = 4 / sizeof(dtype)`` columns after each head's output."""
+    return (kvp_size, num_tokens, num_heads // kvp_size, head_dim + _lse_pack_dim(dtype))
 
 
-def local_kv_indices_triton(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kvp_rank: int,
-    kvp_size: int,
-    chunk: int,
-) -> None:
-    """Fill ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]`` with request ``b``'s local physical rows.
-
-    Args: ``req_to_token [R, max_context]``, ``req_pool_indices [B]``, ``kv_indptr [B+1]`` (the
-    cumulative ``local_kv_len`` of the requests), ``kv_indices [capacity]`` int64 (written in
-    place, ``capacity >= kv_indptr[B]``). The entries equal ``kv_layout.local_kv_indices``'.
-    """
-    batch = req_pool_indices.shape[0]
-    if batch:
-        _local_kv_indices_kernel[(batch,)](
-            req_to_token, req_to_token.stride(0), req_pool_indices, kv_indptr, kv_indices,
-            kvp_rank, KVP=kvp_size, CHUNK=chunk, BLOCK=_BLOCK,
-        )  # fmt: skip
+def send_views(send: torch.Tensor, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out [KVP, T, H/KVP, D], lse [KVP, T, H/KVP] fp32)``: the strided views of a send buffer
+    the decode kernel's stage 2 writes (its head-split output)."""
+    lpd = send.shape[3] - head_dim
+    return send[..., :head_dim], send.view(torch.float32)[..., head_dim // lpd]
 
 
 def kv_split_policy(backend) -> Tuple[int, int]:
@@ -244,23 +202,24 @@ class HelixDecodeState:
         k, n, c = self.kvp_rank, self.kvp_size, self.chunk
         num_tokens = forward_batch.out_cache_loc.shape[0]
         batch = forward_batch.req_pool_indices.shape[0]
-        rows, owned = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
-        write_rows = buffers.write_rows[:num_tokens]
-        write_rows.copy_(rows.masked_fill_(~owned, TRASH_ROW))
+        rows = buffers.write_rows[:num_tokens]
+        rows.copy_(write_rows(forward_batch.out_cache_loc, k, n, c))
         kv_indptr = buffers.kv_indptr[: batch + 1]
-        local_lens = local_kv_len(forward_batch.seq_lens.to(torch.int64), k, n, c)  # [B]
+        local_lens = local_kv_lens(forward_batch.seq_lens, k, n, c)  # [B]
         torch.cumsum(local_lens, dim=0, dtype=torch.int32, out=kv_indptr[1:])
-        local_kv_indices_triton(
-            self.req_to_token, forward_batch.req_pool_indices, kv_indptr, buffers.kv_indices, k, n, c
-        )
-        return HelixDecodeMetadata(write_rows, kv_indptr, buffers.kv_indices, local_lens, buffers)
+        if batch:
+            create_triton_kv_indices_for_dcp_triton[(batch,)](
+                self.req_to_token, forward_batch.req_pool_indices, local_lens, kv_indptr, None,
+                buffers.kv_indices, self.req_to_token.stride(0), n, k, interleave_size=c,
+            )  # fmt: skip
+        return HelixDecodeMetadata(rows, kv_indptr, buffers.kv_indices, local_lens, buffers)
 
     # -- eager ----------------------------------------------------------------------------
 
     def prepare_eager(self, forward_batch) -> None:
         """Eager decode: grow the eager buffers on the host if this batch needs it, then fill."""
         batch, num_tokens = forward_batch.req_pool_indices.shape[0], forward_batch.out_cache_loc.shape[0]
-        total = kv_layout.total_local_len(forward_batch.seq_lens_cpu, self.kvp_rank, self.kvp_size, self.chunk)
+        total = int(local_kv_lens(forward_batch.seq_lens_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum())
         eager = self.eager
         if eager is None or num_tokens > eager.max_bs or batch > eager.max_bs or total > eager.capacity:
             have_bs, have_capacity = (eager.max_bs, eager.capacity) if eager is not None else (0, 0)
@@ -284,7 +243,7 @@ class HelixDecodeState:
                 "and replay are verified on the CPU harness only, not yet on a GPU server "
                 "(docs/helix-flags.md)."
             )
-        per_request = int(local_kv_len_upper_bound(max_context_len, self.kvp_size, self.chunk))
+        per_request = int(local_kv_lens(max_context_len, 0, self.kvp_size, self.chunk))  # rank 0 owns the most
         self.graph = HelixDecodeBuffers(max_bs, max_bs * per_request, self.kvp_size, self.device, fixed=True)
         return self.graph.kv_indices
 

@@ -1,19 +1,17 @@
-"""Helix KV layout: rank-invariant logical KV ids, and each rank's physical rows.
+"""Helix KV layout: upstream DCP's sequence sharding with ``interleave_size = chunk``.
 
-The allocator hands out **logical** KV ids (``loc``) in pages of ``P = chunk * KVP`` ids, the same
-ids on every rank (the allocator state, and so every scheduling decision, is identical on all
-ranks). A paged allocator keeps ``loc % P == position % P``, so a loc's owner and row are pure
-functions of the loc:
+Tokens are dealt to the KVP ranks of a KVP group round-robin in runs of ``chunk`` positions (the
+``interleave_size`` of ``sglang.srt.layers.dcp.layout``): position ``p`` belongs to KVP rank
+``(p // chunk) % KVP``, and a rank stores its tokens compactly in position order. The allocator
+hands out logical KV ids (``loc``) in pages of ``P = chunk * KVP``, the same ids on every rank, and
+keeps ``loc % P == p % P``; so a loc's owner and physical row are DCP's formulas applied to the
+loc: ``localize_dcp_indices(loc, KVP, kvp_rank, chunk)`` (-1 where another rank owns it), and a
+rank's local KV length is ``get_dcp_lens(seq_len, KVP, kvp_rank, interleave_size=chunk)``.
 
-    owner(loc) = (loc % P) // chunk                      == owner_rank(position)
-    row(loc)   = (loc // P) * chunk + loc % chunk        (physical row on the owner)
-
-i.e. exactly ``owner_rank`` / ``local_position`` of ``ownership.py`` applied to the loc. Each page
-holds one chunk per rank; rank ``k`` stores rows ``page * chunk + [0, chunk)`` for it. A rank's
-physical pool therefore holds ``1/KVP`` of the logical id space, with no KV duplicated.
-
-Functions here are vectorized torch (CPU and GPU alike), with no host syncs: sizes that must be
-known on the host come from host-side lengths the scheduler already has.
+What DCP's layout module does not have, and Helix's prefill and torch path need: the inverse map
+(local index -> global position) and the host-sized local KV lists of the extend and of the torch
+path (the decode's lists come from upstream's Triton list kernel, ``decode_state.py``). Vectorized
+torch, no host syncs: sizes the host needs come from host-side lengths the scheduler already has.
 """
 
 from __future__ import annotations
@@ -22,22 +20,35 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.layers.helix.ownership import global_position, local_kv_len, local_position, owner_rank
+from sglang.srt.layers.dcp.layout import get_dcp_lens, localize_dcp_indices
+
+TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
 
 
-def write_rows(
-    out_cache_loc: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Where this rank stores the K/V of the batch's new tokens.
+def write_rows(out_cache_loc: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int) -> torch.Tensor:
+    """``[T]`` physical row of each new token on this rank; ``TRASH_ROW`` for tokens it does not own."""
+    rows = localize_dcp_indices(out_cache_loc.to(torch.int64), kvp_size, kvp_rank, interleave_size=chunk)
+    return rows.masked_fill_(rows < 0, TRASH_ROW)
 
-    Args:
-        out_cache_loc: ``[T]`` logical locs of the new tokens.
-    Returns:
-        ``(rows [T] int64, mask [T] bool)``: physical rows, and which tokens this rank owns.
-        Rows of tokens it does not own are meaningless and must not be written.
-    """
-    loc = out_cache_loc.to(torch.int64)
-    return local_position(loc, kvp_size, chunk), owner_rank(loc, kvp_size, chunk) == kvp_rank
+
+def local_kv_lens(seq_lens, kvp_rank: int, kvp_size: int, chunk: int, start=None) -> torch.Tensor:
+    """``[B]`` how many positions of ``[start, start + seq_lens)`` (default ``[0, seq_lens)``) this rank owns."""
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.int64)
+    start = None if start is None else torch.as_tensor(start, dtype=torch.int64)
+    return get_dcp_lens(seq_lens, kvp_size, kvp_rank, start=start, interleave_size=chunk)
+
+
+def global_position(local_pos: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int) -> torch.Tensor:
+    """Global position of local index ``local_pos [*]`` on rank ``kvp_rank`` (inverse of
+    ``localize_dcp_indices`` on positions)."""
+    return (local_pos // chunk) * (chunk * kvp_size) + kvp_rank * chunk + local_pos % chunk
+
+
+def total_local_len(kv_lens_cpu, kvp_rank: int, kvp_size: int, chunk: int, start_cpu=None) -> int:
+    """Host-side ``sum(local_kv_lens(...))`` from host lists / CPU tensors of lengths."""
+    if len(kv_lens_cpu) == 0:
+        return 0
+    return int(local_kv_lens(kv_lens_cpu, kvp_rank, kvp_size, chunk, start_cpu).sum())
 
 
 def local_kv_indices(
@@ -50,41 +61,31 @@ def local_kv_indices(
     chunk: int,
     kv_starts: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR list of the physical rows of the tokens this rank owns, per request, in position order.
+    """CSR list of the physical rows of the positions ``[kv_start, kv_len)`` this rank owns.
 
-    Args:
-        req_to_token: ``[R, max_context]`` logical locs by (request slot, global position).
-        req_pool_indices: ``[B]`` request slots.
-        kv_lens: ``[B]`` global KV lengths (positions ``[kv_start, kv_len)`` are listed).
-        total_local: the number of listed tokens (``sum(local_kv_len(kv_lens)) -
-            sum(local_kv_len(kv_starts))``), computed on the host from the host copy of the
-            lengths (so that no device value is read here).
-        kv_starts: ``[B]`` first global position listed (default 0).
-    Returns:
-        ``(kv_indptr [B+1] int32, kv_indices [total_local] int64, local_lens [B] int32)``.
+    Args: ``req_to_token [R, max_context]`` logical locs, ``req_pool_indices [B]``, ``kv_lens [B]``
+    global end positions, ``total_local`` the number of listed tokens (``total_local_len``, from host
+    lengths), ``kv_starts [B]`` (default 0). Returns ``(kv_indptr [B+1] int32, kv_indices
+    [total_local] int64, global positions [total_local] int64)``: the rows equal
+    ``create_triton_kv_indices_for_dcp_triton(..., interleave_size=chunk)``'s.
     """
     device = req_to_token.device
-    local_hi = local_kv_len(kv_lens.to(torch.int64), kvp_rank, kvp_size, chunk)  # [B]
-    local_lo = 0 if kv_starts is None else local_kv_len(kv_starts.to(torch.int64), kvp_rank, kvp_size, chunk)
-    local_lens = local_hi - local_lo
+    ends = kv_lens.to(torch.int64)
+    starts = None if kv_starts is None else kv_starts.to(torch.int64)
+    spans = ends if starts is None else ends - starts
+    local_lens = get_dcp_lens(spans, kvp_size, kvp_rank, start=starts, interleave_size=chunk)  # [B]
     kv_indptr = torch.zeros(kv_lens.shape[0] + 1, dtype=torch.int32, device=device)
     torch.cumsum(local_lens, dim=0, out=kv_indptr[1:])
     batch = torch.repeat_interleave(
         torch.arange(kv_lens.shape[0], device=device), local_lens, output_size=total_local
     )  # [L] request of each listed token
     local_pos = torch.arange(total_local, device=device) - kv_indptr[:-1].to(torch.int64)[batch]
-    if kv_starts is not None:
-        local_pos = local_pos + local_lo[batch]
+    if starts is not None:
+        local_pos = local_pos + get_dcp_lens(starts, kvp_size, kvp_rank, interleave_size=chunk)[batch]
     pos = global_position(local_pos, kvp_rank, kvp_size, chunk)  # [L]
     loc = req_to_token[req_pool_indices.to(torch.int64)[batch], pos].to(torch.int64)
-    return kv_indptr, local_position(loc, kvp_size, chunk), local_lens.to(torch.int32)
-
-
-def total_local_len(kv_lens_cpu, kvp_rank: int, kvp_size: int, chunk: int) -> int:
-    """Host-side ``sum(local_kv_len(kv_lens))`` from a host list / CPU tensor of lengths."""
-    if isinstance(kv_lens_cpu, torch.Tensor):
-        return int(local_kv_len(kv_lens_cpu.to(torch.int64), kvp_rank, kvp_size, chunk).sum())
-    return sum(local_kv_len(int(s), kvp_rank, kvp_size, chunk) for s in kv_lens_cpu)
+    rows = localize_dcp_indices(loc, kvp_size, kvp_rank, interleave_size=chunk)
+    return kv_indptr, rows, pos
 
 
 def extend_segments(
@@ -93,9 +94,8 @@ def extend_segments(
     """Split each request's new tokens ``[prefix_len, prefix_len + extend_len)`` at ownership-chunk
     boundaries (multiples of ``chunk``): every segment lies in one chunk, so one rank owns it.
 
-    Host lists in, host lists out (prefill metadata comes from host lengths): ``(request [S],
-    start [S] global position of the segment's first token, length [S])``, in token order, so the
-    segments of the batch tile its ``T`` new tokens.
+    Host lists in, host lists out: ``(request [S], start [S] global position of the segment's first
+    token, length [S])``, in token order, so the segments of the batch tile its ``T`` new tokens.
     """
     request, start, length = [], [], []
     for b, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
@@ -107,12 +107,3 @@ def extend_segments(
             length.append(stop - pos)
             pos = stop
     return request, start, length
-
-
-def owned_positions(kv_indptr: torch.Tensor, total_local: int, kvp_rank: int, kvp_size: int, chunk: int) -> torch.Tensor:
-    """``[total_local]`` global positions of the listed tokens (for causal masks by position)."""
-    device = kv_indptr.device
-    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
-    batch = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=total_local)
-    local_pos = torch.arange(total_local, device=device) - kv_indptr[:-1].to(torch.int64)[batch]
-    return global_position(local_pos, kvp_rank, kvp_size, chunk)

@@ -1,0 +1,65 @@
+"""With Helix off, a model module loads nothing new: ``import sglang.srt.models.llama`` (and the
+other models the series touches) loads exactly the modules it loads from the pristine 0.5.23
+wheel -- no Helix module and no attention backend (``helix_attention_tp`` imports the Helix
+attention only when Helix is on)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from sglang_helix.series import pinned_wheel
+from sglang_helix.testing.cpu_env import STUB_DIR
+
+MODELS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+PROBE = "import importlib, sys; importlib.import_module(sys.argv[1]); print('\\n'.join(sorted(sys.modules)))"
+
+
+def _modules(model: str, pythonpath: str | None = None) -> set:
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, STUB_DIR) if p)
+    r = subprocess.run([sys.executable, "-c", PROBE, f"sglang.srt.models.{model}"], env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return set(r.stdout.split())
+
+
+@pytest.fixture(scope="module")
+def pristine_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pristine-sglang")
+    with zipfile.ZipFile(pinned_wheel()) as z:
+        z.extractall(root, [m for m in z.namelist() if m.startswith("sglang/")])
+    return str(root)
+
+
+@pytest.mark.parametrize("model", ["llama"])
+def test_model_import_loads_what_the_pristine_wheel_loads(model, pristine_root):
+    patched = _modules(model)
+    assert not [m for m in patched if ".helix" in m], "a Helix module is loaded with Helix off"
+    assert "sglang.srt.layers.attention.triton_backend" not in patched
+    assert "sglang.srt.layers.attention.torch_native_backend" not in patched
+    pristine = _modules(model, pristine_root)
+    assert any(m.startswith("sglang.srt.models.") for m in pristine)
+    assert patched == pristine, (sorted(patched - pristine), sorted(pristine - patched))
+
+
+def test_helix_attention_tp_off_is_the_layers_own_values():
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+    from sglang.srt.layers.linear import ReplicatedParallelGroup, helix_attention_tp
+
+    old = runtime_context._PARALLEL
+    try:
+        runtime_context._PARALLEL = SimpleNamespace(helix_enabled=False)
+        assert helix_attention_tp(8, "attn_tp") == (8, "attn_tp", None)
+        runtime_context._PARALLEL = SimpleNamespace(helix_enabled=True, helix_tpa_size=2, helix_kvp_size=4)
+        tpa, group, helix = helix_attention_tp(8)
+        assert (tpa, group) == (2, ReplicatedParallelGroup("tp", 4)) and helix.__name__ == "helix_attention"
+    finally:
+        runtime_context._PARALLEL = old
