@@ -167,6 +167,41 @@ class HelixDecodeBuffers:
         )
 
 
+def buffer_bytes(
+    max_bs: int, capacity: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int, kvp_size: int
+) -> int:
+    """Bytes of one ``HelixDecodeBuffers(max_bs, capacity)`` with its workspace: the lists
+    (``write_rows [B]`` int64, ``kv_indptr [B+1]`` int32, ``kv_indices [capacity]`` int64), the
+    split buffers (``[B, H, S, Dv]`` + ``[B, H, S]`` fp32, ``num_kv_splits [B]`` int32) and the
+    All-to-All ``send``/``recv`` (``[KVP, B, H/KVP, Dv + lpd]`` of ``dtype`` each)."""
+    a2a = a2a_buffer_shape(max_bs, num_heads, v_head_dim, dtype, kvp_size)
+    elem = torch.empty((), dtype=dtype).element_size()
+    lists = 8 * max_bs + 4 * (max_bs + 1) + 8 * capacity
+    splits = 4 * max_bs * num_heads * max_kv_splits * (v_head_dim + 1) + 4 * max_bs
+    return lists + splits + 2 * elem * a2a[0] * a2a[1] * a2a[2] * a2a[3]
+
+
+def graph_buffer_bytes(kvc) -> int:
+    """What ``init_graph_state`` + the first layer's workspace will allocate on this rank, for the
+    KV pool sizing to charge (``DefaultPoolConfigurator``): 0 unless Helix keeps decode CUDA graphs
+    (``--helix-enable-cuda-graph``). Sized for the largest configured decode graph batch and the
+    model's context, with the GPU split cap (``kv_split_policy``); eager decode reuses these
+    buffers for every batch that fits them."""
+    from sglang.srt.runtime_context import get_exec
+
+    parallel = get_parallel()
+    graph = get_exec().graph
+    if not parallel.helix_enabled or not parallel.helix_enable_cuda_graph or graph.disable_cuda_graph:
+        return 0
+    max_bs = max(graph.cuda_graph_config.decode.bs)
+    model_config = kvc.model_config
+    kvp, chunk = parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
+    capacity = max_bs * int(local_kv_lens(model_config.context_len, 0, kvp, chunk))
+    num_heads = model_config.num_attention_heads // parallel.helix_tpa_size
+    splits = max(get_exec().kernel.triton_attention_num_kv_splits, HELIX_MAX_KV_SPLITS)
+    return buffer_bytes(max_bs, capacity, num_heads, model_config.v_head_dim, model_config.dtype, splits, kvp)
+
+
 def _grow(need: int, have: int) -> int:
     """A buffer size that fits ``need``: ``have`` if it does, else at least double (few reallocations)."""
     return have if need <= have else max(need, 2 * have)
@@ -220,6 +255,10 @@ class HelixDecodeState:
         """Eager decode: grow the eager buffers on the host if this batch needs it, then fill."""
         batch, num_tokens = forward_batch.req_pool_indices.shape[0], forward_batch.out_cache_loc.shape[0]
         total = int(local_kv_lens(forward_batch.seq_lens_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum())
+        graph = self.graph
+        if graph is not None and max(batch, num_tokens) <= graph.max_bs and total <= graph.capacity:
+            self.metadata = self.fill(graph, forward_batch)  # one set of buffers, not two
+            return
         eager = self.eager
         if eager is None or num_tokens > eager.max_bs or batch > eager.max_bs or total > eager.capacity:
             have_bs, have_capacity = (eager.max_bs, eager.capacity) if eager is not None else (0, 0)

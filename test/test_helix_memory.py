@@ -1,0 +1,96 @@
+"""Every byte of Helix's persistent decode buffers is counted before the KV pool is sized.
+
+``decode_state.graph_buffer_bytes`` is what ``DefaultPoolConfigurator`` charges against the KV
+budget (the Triton-backend patch); the shipped ``HelixDecodeState`` then allocates its graph
+buffers (``init_graph_state``) and the per-layer workspace (the first layer's ``workspace``). Here
+both run for real model shapes on the meta device (no memory), and the bytes allocated must equal
+the bytes reserved within 1%. Upstream's own graph split buffers are not allocated under Helix
+(``cuda_graph_attn_logits`` is empty), and eager decode reuses the graph buffers when a batch fits.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_helix.testing.cpu_env import STUB_DIR
+
+if STUB_DIR not in sys.path:
+    sys.path.insert(0, STUB_DIR)
+
+from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.layers.helix import decode_state  # noqa: E402
+from sglang.srt.layers.helix.decode_state import HelixDecodeState, graph_buffer_bytes  # noqa: E402
+
+# (name, query heads Q, KV heads K, v_head_dim): the published config.json values.
+MODELS = {
+    "Llama-3.1-70B": (64, 8, 128),
+    "Qwen3-235B-A22B": (64, 4, 128),
+}
+CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
+
+
+def _reserved(monkeypatch, q, v_head_dim, dtype=torch.bfloat16, splits_flag=8, graphs=True):
+    parallel = SimpleNamespace(
+        helix_enabled=True, helix_enable_cuda_graph=graphs, helix_kvp_size=KVP, helix_tpa_size=TP // KVP,
+        helix_kvp_chunk_size=CHUNK,
+    )  # fmt: skip
+    exec_ = SimpleNamespace(
+        graph=SimpleNamespace(disable_cuda_graph=False, cuda_graph_config=SimpleNamespace(
+            decode=SimpleNamespace(bs=[1, 2, 4, 8, 16, 32, 64, 128, MAX_BS]))),
+        kernel=SimpleNamespace(triton_attention_num_kv_splits=splits_flag),
+    )  # fmt: skip
+    monkeypatch.setattr(decode_state, "get_parallel", lambda: parallel)
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: exec_)
+    kvc = SimpleNamespace(
+        model_config=SimpleNamespace(num_attention_heads=q, v_head_dim=v_head_dim, context_len=CONTEXT, dtype=dtype)
+    )
+    return graph_buffer_bytes(kvc)
+
+
+def _allocated(q, v_head_dim, dtype=torch.bfloat16, splits=decode_state.HELIX_MAX_KV_SPLITS):
+    """What the shipped state allocates for the graph: lists + one layer's workspace (meta)."""
+    req_to_token = torch.empty(MAX_BS + 1, CONTEXT, dtype=torch.int32, device="meta")
+    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK)
+    state.init_graph_state(MAX_BS, CONTEXT)
+    buffers = state.graph
+    buffers.workspace(MAX_BS, q // (TP // KVP), v_head_dim, dtype, splits)
+    tensors = [buffers.write_rows, buffers.kv_indptr, buffers.kv_indices, *buffers._workspace[1]]
+    assert all(t.device.type == "meta" for t in tensors)
+    return sum(t.nbytes for t in tensors)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_reserved_equals_allocated_for_real_models(name, monkeypatch):
+    q, _, v_head_dim = MODELS[name]
+    reserved = _reserved(monkeypatch, q, v_head_dim)
+    allocated = _allocated(q, v_head_dim)
+    assert abs(reserved - allocated) <= 0.01 * allocated, (name, reserved, allocated)
+    # The lists are 1/KVP of upstream's full-context index buffer (int64): rank 0 owns the most.
+    assert allocated > MAX_BS * CONTEXT // KVP * 8
+
+
+def test_nothing_is_reserved_without_helix_graphs(monkeypatch):
+    assert _reserved(monkeypatch, 64, 128, graphs=False) == 0
+
+
+def test_eager_decode_reuses_the_graph_buffers():
+    slots, max_len = 4, 64
+    req_to_token = (CHUNK * KVP * (1 + torch.arange(slots)[:, None] * 2) + torch.arange(max_len)).int()
+    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK)
+    state.init_graph_state(4, max_len)
+
+    def batch(n):
+        seq = torch.tensor([max_len - 1] * n)
+        return SimpleNamespace(
+            req_pool_indices=torch.arange(n), seq_lens=seq, seq_lens_cpu=seq,
+            out_cache_loc=req_to_token[torch.arange(n), seq - 1].long(),
+        )  # fmt: skip
+
+    state.prepare_eager(batch(3))
+    assert state.metadata.buffers is state.graph and state.eager is None  # no second copy
+    state.prepare_eager(batch(4))
+    assert state.metadata.buffers is state.graph and state.eager is None
