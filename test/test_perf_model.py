@@ -186,3 +186,171 @@ def test_paper_cli(capsys):
     assert pm.main(["--paper"]) == 0
     out = capsys.readouterr().out
     assert "Llama-3.1-405B" in out and "DeepSeek-R1" in out and "32.00x" in out and "tp*" in out
+
+
+# --- upstream DCP (0.5.23, MHA/GQA), DCP with the All-to-All and replicated Q, per-collective latency
+
+
+def test_dcp_0523_terms_by_hand():
+    """TINY (Q 8, K 2, D 8, hidden 64) on --tp 4 --dcp-size 2, S = 1000, B = 3. K x d = 4 <= N: valid."""
+    lay = pm.Layout(4, 2, "dcp")
+    assert lay.name() == "TP4 DCP2" and pm.layout_problem(TINY, lay) == ""
+    # pool heads max(1, K // (N/d)) = 1, S/d = 500 tokens: 3 x 500 x 16 elements x 2 B = 48,000 B per layer
+    assert pm.kv_heads_per_gpu(TINY, lay) == 1.0 and pm.tokens_per_gpu(1000, lay) == 500
+    s = pm.step(TINY, HW, lay, 1000, 3, "bf16", "bf16")
+    assert s.kv_s == pytest.approx(2 * 48_000 / 1e12)
+    assert s.kv_bytes_per_request == 2 * 500 * 16 * 2
+    # qkv_proj as plain TP over 4: 1536 + o_proj 1024 + MLP 6144 = 8704 params (TP4's 17,408 B per layer)
+    one = pm.step(TINY, HW, lay, 1000, 1, "bf16", "bf16")
+    assert one.weights_s == pytest.approx((2 * 17_408 + 32_000) / 1e12)
+    assert pm.weight_splits(lay) == (4, 2, 4)  # qkv over N, gathered heads Q/TPA = 2 x Q/N, o_proj/FFN over N
+
+
+def test_dcp_0523_collectives_by_hand():
+    """B = 5: all-gather Q (d-1) x B x Q/N x D x 2 = 160 B, all-gather fp32 LSE (d-1) x B x d x Q/N x 4
+    = 80 B, all-reduce of the fp32 outputs 2(d-1)/d x B x d x Q/N x Dv x 4 = 640 B, and TP's two
+    all-reduces of [5, 64] bf16 over 4 (960 B each); 1 us per collective, 100 GB/s."""
+    lay = pm.Layout(4, 2, "dcp")
+    coll = pm.collectives_per_layer(TINY, lay, 5)
+    assert coll == [("all-gather", 160.0), ("all-gather", 80.0), ("all-reduce", 640.0), ("all-reduce", 960.0), ("all-reduce", 960.0)]
+    assert pm.collective_counts(TINY, lay) == {"all-reduce": 3, "all-gather": 2, "all-to-all": 0}
+    s = pm.step(TINY, HW, lay, 1000, 5, "bf16", "bf16")
+    assert s.ag_s == pytest.approx(2 * (2e-6 + 240 / 1e11))
+    assert s.ar_s == pytest.approx(2 * (3e-6 + (640 + 2 * 960) / 1e11))
+    assert s.a2a_s == 0.0
+    assert s.total_s == pytest.approx(s.kv_s + s.weights_s + s.ag_s + s.ar_s)
+    assert pm.collective_counts(TINY, pm.Layout(4, 1)) == {"all-reduce": 2, "all-gather": 0, "all-to-all": 0}
+    assert pm.collective_counts(TINY, pm.Layout(4, 2)) == {"all-reduce": 2, "all-gather": 0, "all-to-all": 1}
+
+
+def test_dcp_0523_invalid_where_k_times_d_exceeds_n():
+    """0.5.23 computes --dcp-size d right for Llama-style K/V only where d divides N/K
+    (benchmark/dcp_gqa_check.py): shown with the reason, never chosen."""
+    assert pm.layout_problem(TINY, pm.Layout(4, 4, "dcp")).startswith("K x d = 8 > N = 4")
+    assert pm.layout_problem(TINY, pm.Layout(2, 2, "dcp"))  # the measured --tp 2 --dcp-size 2 case
+    m = pm.MODELS["llama-3.1-70b"]  # K = 8: nothing at N = 8, only d = 2 at N = 16
+    assert [x.kvp for x in pm.layouts(m, 8, dcp=True) if x.kind == "dcp" and not pm.layout_problem(m, x)] == []
+    assert [x.kvp for x in pm.layouts(m, 16, dcp=True) if x.kind == "dcp" and not pm.layout_problem(m, x)] == [2]
+    # the invalid rows are printed, marked; recommend and best_of_family never pick them
+    steps = pm.sweep(m, pm.HARDWARE["h200"], 8, 131072, [1], "bf16", "bf16", list(pm.FAMILIES), show_invalid=True)
+    assert any(not s.valid for s in steps) and all(s.layout.kind == "dcp" for s in steps if not s.valid)
+    assert pm.best_of_family(m, pm.HARDWARE["h200"], 8, 131072, 1, "dcp")[0] is None
+    lay = pm.Layout(4, 2, "dcp")
+    fast_wrong = pm.Step(lay, 1, 1e-6, 0, 0, 0, 0, 9, problem="wrong")
+    slow_right = pm.Step(pm.Layout(4, 1), 1, 1e-3, 0, 0, 0, 0, 9)
+    assert pm.recommend([fast_wrong, slow_right], "latency", 1.0) is slow_right
+    assert pm.pareto([fast_wrong, slow_right]) == [slow_right]
+
+
+def test_dcp_a2a_replicated_q_is_helix_where_tpa_divides_k():
+    """DCP a2a + replicated Q at d = KVP: qkv_proj over N/d, one All-to-All of the same bytes, the same
+    KV: Helix's layout, the same step."""
+    for n, d in ((4, 2), (4, 4), (8, 2)):
+        a, h = pm.step(TINY, HW, pm.Layout(n, d, "dcp-a2a"), 1000, 5, "bf16", "bf16"), pm.step(TINY, HW, pm.Layout(n, d), 1000, 5, "bf16", "bf16")
+        if TINY.kv_heads % (n // d) == 0:
+            assert (a.kv_s, a.weights_s, a.a2a_s, a.ar_s, a.max_batch) == (h.kv_s, h.weights_s, h.a2a_s, h.ar_s, h.max_batch)
+    assert pm.collective_counts(TINY, pm.Layout(4, 2, "dcp-a2a")) == {"all-reduce": 2, "all-gather": 0, "all-to-all": 1}
+
+
+def test_dcp_a2a_with_tpa_above_k_by_hand():
+    """N = 8, d = 2: TPA 4 > K = 2, a layout Helix refuses (TPA must divide K). Each KV head on 2 GPUs:
+    max(1, K/TPA) = 1 head for S/2 tokens; qkv_proj over 4 (64 x 12 x 8 / 4 = 1536 params); the
+    All-to-All sends (d-1) x B x Q/N x (Dv x 2 + 4) = 5 x 1 x 20 = 100 B at B = 5."""
+    lay = pm.Layout(8, 2, "dcp-a2a")
+    assert lay in pm.layouts(TINY, 8, dcp=True) and pm.Layout(8, 2) not in pm.layouts(TINY, 8)
+    assert pm.kv_heads_per_gpu(TINY, lay) == 1.0 and pm.weight_splits(lay) == (4, 4, 8)
+    assert pm.collectives_per_layer(TINY, lay, 5)[0] == ("all-to-all", 100.0)
+    one = pm.step(TINY, HW, lay, 1000, 1, "bf16", "bf16")
+    # qkv 1536 + o_proj 8 x 8 x 64 / 8 = 512 + MLP 3 x 64 x 128 / 8 = 3072 -> 5120 params; lm_head 8000
+    assert one.weights_s == pytest.approx((2 * 5120 * 2 + 8000 * 2) / 1e12)
+    assert one.kv_s == pytest.approx(2 * 500 * 16 * 2 / 1e12)
+
+
+def test_dcp_a2a_mla_exchanges_the_latent():
+    """0.5.23's MLA DCP exchanges the attention output in the latent space (kv_lora_rank 512)."""
+    r1 = pm.MODELS["deepseek-r1"]
+    lay = pm.Layout(8, 8, "dcp-a2a")
+    assert [x.kind for x in pm.layouts(r1, 8, dcp=True) if x.kind.startswith("dcp")] == ["dcp-a2a"] * 3  # no MHA DCP for MLA
+    assert pm.collectives_per_layer(r1, lay, 1)[0] == ("all-to-all", 7 * 16 * (512 * 2 + 4))
+    assert pm.collectives_per_layer(r1, pm.Layout(8, 8), 1)[0] == ("all-to-all", 7 * 16 * (128 * 2 + 4))
+
+
+def test_per_collective_latency():
+    """Each collective pays its own latency; with_latency sets all or some; the presets carry the
+    cited defaults."""
+    hw = pm.with_latency(HW, all_reduce=1e-6, all_gather=2e-6, all_to_all=3e-6)
+    h = pm.step(TINY, hw, pm.Layout(4, 2), 1000, 5, "bf16", "bf16")
+    assert h.a2a_s == pytest.approx(2 * (3e-6 + 200 / 1e11))
+    d = pm.step(TINY, hw, pm.Layout(4, 2, "dcp"), 1000, 5, "bf16", "bf16")
+    assert d.ag_s == pytest.approx(2 * (2 * 2e-6 + 240 / 1e11))
+    assert pm.with_latency(hw, 30e-6).latency("all-gather") == 30e-6
+    assert pm.with_latency(hw, 30e-6, all_to_all=5e-6).latency("all-to-all") == 5e-6
+    assert pm.HARDWARE["h100"].latency("all-to-all") == 11e-6 and pm.HARDWARE["b200"].latency("all-gather") == 8e-6
+    assert HW.latency("all-gather") == 1e-6  # no per-kind values: link_latency_s for every kind
+    with pytest.raises(ValueError):
+        pm.with_latency(HW, reduce_scatter=1e-6)
+
+
+def test_compare_row_by_hand():
+    """Per family the fastest valid layout that fits; Helix's ratios are step-time ratios."""
+    row = pm.compare_row("llama-3.1-70b", "h200", 16, 131072, 1)
+    m, hw = pm.MODELS["llama-3.1-70b"], pm.HARDWARE["h200"]
+    tp = pm.step(m, hw, pm.Layout(16, 1), 131072, 1, "bf16", "bf16")
+    dcp = pm.step(m, hw, pm.Layout(16, 2, "dcp"), 131072, 1, "bf16", "bf16")  # the only valid d
+    best_helix = min((pm.step(m, hw, x, 131072, 1, "bf16", "bf16") for x in pm.layouts(m, 16) if x.kind == "helix"), key=lambda s: s.total_s)
+    assert row["tp_layout"] == "TP16" and row["dcp_layout"] == "TP16 DCP2" and row["helix_layout"] == best_helix.layout.name()
+    assert row["helix_over_tp"] == round(tp.total_s / best_helix.total_s, 3)
+    assert row["helix_over_dcp"] == round(dcp.total_s / best_helix.total_s, 3)
+    assert row["tp_max_batch"] == tp.max_batch and row["helix_max_batch"] == best_helix.max_batch
+    none = pm.compare_row("llama-3.1-70b", "h200", 8, 131072, 1)  # K = N: no valid --dcp-size
+    assert none["dcp_layout"] == "" and none["helix_over_dcp"] == ""
+
+
+def test_models_from_their_configs():
+    m = pm.MODELS
+    assert (m["llama-3.1-8b"].layers, m["llama-3.1-8b"].ffn) == (32, 14336)
+    assert (m["qwen3-32b"].hidden, m["qwen3-32b"].q_heads * m["qwen3-32b"].head_dim) == (5120, 8192)
+    assert (m["mixtral-8x22b"].experts, m["mixtral-8x22b"].experts_per_token, m["mixtral-8x22b"].q_heads) == (8, 2, 48)
+    assert all(k in m for k in pm.TABLE_MODELS)
+
+
+def test_compare_and_latency_cli(tmp_path, capsys):
+    csv = tmp_path / "c.csv"
+    assert pm.main(["--compare", "--model", "llama-3.1-70b", "--hw", "h200,b200", "--gpus", "16", "--context", "131072",
+                    "--batch", "1", "--latency-us", "3,30", "--csv", str(csv)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "KVP2xTPA8" in out and "DCP2" in out and "3/3/3 us" in out and "30/30/30 us" in out
+    assert len(csv.read_text().splitlines()) == 1 + 4
+    assert pm.main(["--model", "llama-3.1-70b", "--hw", "h200", "--gpus", "8", "--context", "131072", "--batch", "1",
+                    "--latency-us", "3,10,30", "--recommend", "latency", "--target", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("recommend:") == 3 and "INVALID: K x d = 16 > N = 8" in out and "10/10/10 us" in out
+    assert "DCP" not in out.split("recommend:")[1].splitlines()[0]  # never an invalid layout
+
+
+def test_compare_markdown_cells(capsys):
+    """benchmark/README.md's compact tables: "Helix/TP · Helix/DCP", n/a where 0.5.23 has no correct
+    --dcp-size, TP OOM where only Helix (and DCP) hold the batch."""
+    assert pm.main(["--compare", "--markdown", "--model", "llama-3.1-70b", "--hw", "h200", "--gpus", "8,16",
+                    "--context", "131072", "--batch", "16,64", "--detail", "131072,16"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| Llama-3.1-70B | 8 | 0.95 · n/a | - |" in out  # K = N: Helix behind TP, no correct DCP; B = 64 fits nowhere
+    assert "| Llama-3.1-70B | 16 | 1.58 · 1.10 | - |" in out
+    assert "| Llama-3.1-70B | 16 | TP16 · 47 · 46.6 · 21 | DCP2 · 67 · 66.9 · 43 |" in out  # the detail table
+    row = pm.compare_row("qwen3-235b-a22b", "h200", 8, 131072, 16)  # K = 4: TP holds 10 requests, Helix 21
+    assert pm._ratio_cell(row) == "TP OOM · 1.07" and row["tp_max_batch"] == 10 and row["helix_max_batch"] == 21
+
+
+def test_dcp_flops_by_hand():
+    """On compute-bound hardware (1 GFLOP/s, HBM unbounded) the step is FLOPs: TINY, N = 4, S = 1000, B = 3.
+    DCP 2 attends with the gathered 2 x Q/N = 4 heads over S/2 tokens: 2 x 3 x 500 x 4 x (8 + 8) = 192,000
+    FLOPs per layer (TP4's per-GPU attention FLOPs: 2 x 3 x 1000 x 2 x 16, the same); its GEMMs are TP4's:
+    2 x 3 x 8704 = 52,224 per layer, lm_head 2 x 3 x 16,000 = 96,000. Helix KVP 2 x TPA 2: the same
+    attention, qkv_proj over TPA 2: 2 x 3 x 10,240 = 61,440 per layer."""
+    slow = pm.Hardware("slow", 1e18, 10e9, 1e11, {"bf16": 1e9}, 8, link_latency_s=0.0)
+    dcp = pm.step(TINY, slow, pm.Layout(4, 2, "dcp"), 1000, 3, "bf16", "bf16")
+    tp = pm.step(TINY, slow, pm.Layout(4, 1), 1000, 3, "bf16", "bf16")
+    helix = pm.step(TINY, slow, pm.Layout(4, 2), 1000, 3, "bf16", "bf16")
+    assert dcp.kv_s == pytest.approx(2 * 192_000 / 1e9) and tp.kv_s == dcp.kv_s == helix.kv_s
+    assert dcp.weights_s == pytest.approx((2 * 52_224 + 96_000) / 1e9) and tp.weights_s == dcp.weights_s
+    assert helix.weights_s == pytest.approx((2 * 61_440 + 96_000) / 1e9)

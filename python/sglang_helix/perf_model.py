@@ -1,4 +1,4 @@
-"""A roofline model of one decode step: plain TP against Helix (KVP x TPA), and a layout advisor.
+"""A roofline model of one decode step: plain TP, upstream DCP and Helix (KVP x TPA), and a layout advisor.
 
     python -m sglang_helix.perf_model --model llama-3.1-405b --hw gb200-nvl72 --gpus 64 \\
         --context 1048576 --batch 1,8,64 --dtype fp4
@@ -7,21 +7,39 @@
         --context 1048576 --pareto pareto.png
     python -m sglang_helix.perf_model --model llama-3.3-70b --hw h200 --gpus 8 --context 262144 \\
         --recommend latency --target 50
+    python -m sglang_helix.perf_model --model llama-3.1-70b --hw h200 --gpus 16 --context 131072 \\
+        --batch 1,16 --latency-us 3,10,30          # every table at three per-collective latencies
+    python -m sglang_helix.perf_model --compare --model table --hw h100,h200,b200 --gpus 8,16 \\
+        --context 32768,131072,1048576 --batch 1,16,64 --csv compare.csv
 
-For each layout of N GPUs (plain TP = N; Helix KVP x TPA with TPA | K; MoE FFN as TPF x EP) and
-batch B it prints one decode step per GPU, broken into
+For each layout of N GPUs and batch B it prints one decode step per GPU. The layouts (``--families``):
+
+    tp       plain ``--tp N``
+    dcp      ``--tp N --dcp-size d`` as SGLang 0.5.23 runs it for MHA/GQA (Triton backend): qkv_proj
+             TP over N, Q all-gathered over the DCP group, KV sharded along the sequence d ways
+             (pool heads max(1, K / (N/d))), LSE all-gather + fp32 output all-reduce. Layouts with
+             K x d > N are computed wrongly by 0.5.23 (docs/upstream-pr.md): shown, never chosen
+    dcp-a2a  DCP with the All-to-All exchange and Q replicated over the DCP group (0.5.23's MLA path,
+             ``--dcp-comm-backend a2a --dcp-replicate-q-proj``; for GQA it needs the KV-head fix):
+             qkv_proj over N/d, one All-to-All; at d = KVP it is Helix's layout, and it adds N/d > K
+    helix    ``--tp N --helix-kvp-size KVP``: attention KVP x TPA (TPA | K), one All-to-All
+
+and breaks the step into
 
     kv      KV bytes the GPU reads / HBM bandwidth, and attention FLOPs / peak (roofline max)
     weights weight bytes the GPU reads / HBM bandwidth, and GEMM FLOPs / peak (roofline max)
-    a2a     Helix's one All-to-All per layer: latency + bytes / NVLink bandwidth
-    ar      the all-reduces after o_proj and the FFN: latency + ring bytes / NVLink bandwidth
+    a2a     the All-to-All per layer (Helix, DCP a2a): latency + bytes / NVLink bandwidth
+    ag      DCP's all-gathers of Q and of the LSE: latency + bytes / NVLink bandwidth
+    ar      the all-reduces after o_proj and the FFN (and DCP's output all-reduce)
 
 summed over the layers (+ lm_head), the per-user rate (tokens/s/user = 1 / step) and the
 per-GPU throughput (B / step / N), and the largest batch whose KV fits next to the weights.
+``--compare`` prints, per model and case, the best layout of each family and Helix's ratios.
 
 What it leaves out, on purpose: kernel efficiency (every term runs at the roofline), overlap of
 communication with compute (terms add), the prefill, and the CPU/launch overhead a CUDA graph
 removes. It compares layouts under the same assumptions; absolute numbers are lower bounds.
+The per-collective latency is the one free parameter: defaults per GPU below, with sources.
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 # --------------------------------------------------------------------------------------------
 # Hardware. Per GPU. Sources: NVIDIA's datasheets (dense, i.e. without 2:4 sparsity):
@@ -47,11 +65,34 @@ from typing import Dict, List, Optional
 #   GB200 NVL72 https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (72 GPUs: 13.4 TB HBM3e,
 #              576 TB/s, 130 TB/s NVLink, 360 PF FP8 / 720 PF FP4 dense... per GPU /72): 186 GB,
 #              8 TB/s, NVLink 1.8 TB/s, BF16 2.5, FP8 5, FP4 10 PFLOP/s.
-# NVLink latency is not in the datasheets: ALPHA_S is an assumption (a few microseconds for a
-# small NCCL collective inside one NVLink domain), stated here and printed with the results.
+# NVLink latency is not in the datasheets. ALPHA_S (3 us) is the model's original assumption, kept
+# for a Hardware built without per-collective values and for --paper (which sweeps 3 / 10 / 30 us).
+#
+# Per-collective defaults (small messages, 1-64 KB: what decode sends; one NVLink domain). Published
+# measurements found (2026-11-25), none of them of SGLang itself:
+#   all-reduce, Hopper: 8 x H100, NCCL through torch.distributed, 128 B-64 KB: 19.2-23.1 us
+#     (https://github.com/ByteDance-Seed/Triton-distributed/issues/57); NCCL 21.8-24.4 us and a
+#     one-shot symmetric-memory all-reduce (the kind SGLang's custom all-reduce runs for decode-sized
+#     buffers) 10.8-11.7 us at 8-64 KB bf16 (https://github.com/yifuwang/symm-mem-recipes/pull/3);
+#     NVLink SHARP with CUDA graphs, 2 x H100: ~6 us (https://github.com/NVIDIA/nccl/issues/1259);
+#     tuned NCCL 2.27 symmetric kernels, 8 bytes, 8 x H200: ~2.3 us (https://github.com/NVIDIA/nccl/issues/1940).
+#   all-to-all, Hopper: nccl-tests output of a collective without reduction (redop "none", as
+#     alltoall_perf prints it) on 8 x H20 (Hopper, NVLink 4), 128 B-4 KB: 10.3-11.1 us, posted in
+#     an issue about all-to-all latency (https://github.com/deepseek-ai/DeepEP/issues/303).
+#   all-gather, Hopper: no small-message measurement found. ASSUMED equal to the all-reduce (10 us).
+#   all-reduce, Blackwell: NCCL 2.27 symmetric kernels on GB200 NVL72 (32 GPUs) ~6.3 us, as quoted
+#     from NVIDIA's NCCL 2.27 blog, and an NVIDIA engineer's "under 8us with all_reduce_perf for
+#     messages sizes up to 1KB, on a single-node GB200 (4 GPUs)" (https://github.com/NVIDIA/nccl-tests/issues/333);
+#     tuned, 8 bytes, 8 x B200: ~3 us (https://github.com/NVIDIA/nccl/issues/1940).
+#   all-gather, all-to-all, Blackwell: no measurement found. ASSUMED equal to the all-reduce (8 us).
+# So: Hopper 10 / 10 / 11 us (all-reduce / all-gather / all-to-all), Blackwell 8 / 8 / 8 us. The
+# sources spread over 2-25 us: every table can be printed at 3 / 10 / 30 us (--latency-us).
 # --------------------------------------------------------------------------------------------
 
-ALPHA_S = 3e-6  # per collective, assumed
+ALPHA_S = 3e-6  # per collective, assumed (the model's original value; --paper's first column)
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all")
+HOPPER_LATENCY_S = {"all-reduce": 10e-6, "all-gather": 10e-6, "all-to-all": 11e-6}
+BLACKWELL_LATENCY_S = {"all-reduce": 8e-6, "all-gather": 8e-6, "all-to-all": 8e-6}
 
 
 @dataclass(frozen=True)
@@ -62,14 +103,39 @@ class Hardware:
     link_bytes_s: float  # NVLink, one direction
     flops: Dict[str, float]  # dense, per dtype
     domain: int  # GPUs in one NVLink domain
-    link_latency_s: float = ALPHA_S
+    link_latency_s: float = ALPHA_S  # every collective without its own entry in latency_s
+    latency_s: Optional[Dict[str, float]] = None  # seconds per collective kind (COLLECTIVES)
+
+    def latency(self, kind: str) -> float:
+        """Seconds one small collective of ``kind`` costs before its bytes move."""
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}")
+        return (self.latency_s or {}).get(kind, self.link_latency_s)
+
+
+def with_latency(hw: Hardware, every_s: Optional[float] = None, **per_kind_s: Optional[float]) -> Hardware:
+    """``hw`` with every collective at ``every_s`` (None: keep) and then some at their own value
+    (``all_reduce=``, ``all_gather=``, ``all_to_all=``, seconds; None: keep)."""
+    lat = dict.fromkeys(COLLECTIVES, every_s) if every_s is not None else {k: hw.latency(k) for k in COLLECTIVES}
+    for key, value in per_kind_s.items():
+        kind = key.replace("_", "-")
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {key!r}")
+        if value is not None:
+            lat[kind] = value
+    return dataclasses.replace(hw, link_latency_s=hw.link_latency_s if every_s is None else every_s, latency_s=lat)
+
+
+def latency_label(hw: Hardware) -> str:
+    return "/".join(f"{hw.latency(k) * 1e6:g}" for k in COLLECTIVES) + " us (all-reduce/all-gather/all-to-all)"
 
 
 HARDWARE = {
-    "h100": Hardware("H100 SXM", 3.35e12, 80e9, 450e9, {"bf16": 989e12, "fp8": 1979e12}, 8),
-    "h200": Hardware("H200 SXM", 4.8e12, 141e9, 450e9, {"bf16": 989e12, "fp8": 1979e12}, 8),
-    "b200": Hardware("B200", 8e12, 180e9, 900e9, {"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15}, 8),
-    "gb200-nvl72": Hardware("GB200 NVL72", 8e12, 186e9, 900e9, {"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15}, 72),
+    "h100": Hardware("H100 SXM", 3.35e12, 80e9, 450e9, {"bf16": 989e12, "fp8": 1979e12}, 8, latency_s=HOPPER_LATENCY_S),
+    "h200": Hardware("H200 SXM", 4.8e12, 141e9, 450e9, {"bf16": 989e12, "fp8": 1979e12}, 8, latency_s=HOPPER_LATENCY_S),
+    "b200": Hardware("B200", 8e12, 180e9, 900e9, {"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15}, 8, latency_s=BLACKWELL_LATENCY_S),
+    "gb200-nvl72": Hardware("GB200 NVL72", 8e12, 186e9, 900e9, {"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15}, 72,
+                            latency_s=BLACKWELL_LATENCY_S),  # fmt: skip
 }
 
 DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp4": 0.5}
@@ -134,16 +200,36 @@ def _mla_preset() -> Model:
 
 
 MODELS = {
+    # Each from the model's config.json (num_hidden_layers, hidden_size, num_attention_heads,
+    # num_key_value_heads, head_dim, intermediate_size / moe_intermediate_size, num_experts /
+    # num_local_experts, num_experts_per_tok, vocab_size).
+    # meta-llama/Llama-3.1-8B: 32 layers, hidden 4096, 32 q heads, 8 KV heads, head dim 128,
+    # FFN 14336, vocab 128256.
+    "llama-3.1-8b": Model("Llama-3.1-8B", 32, 4096, 32, 8, 128, 256, 14336, 128256),
+    # meta-llama/Llama-3.1-70B (and Llama-3.3-70B-Instruct): 80 layers, hidden 8192, 64 q heads,
+    # 8 KV heads, head dim 128, FFN 28672, vocab 128256.
+    "llama-3.1-70b": Model("Llama-3.1-70B", 80, 8192, 64, 8, 128, 256, 28672, 128256),
+    "llama-3.3-70b": Model("Llama-3.3-70B", 80, 8192, 64, 8, 128, 256, 28672, 128256),
     # meta-llama/Llama-3.1-405B: 126 layers, hidden 16384, 128 q heads, 8 KV heads, head dim 128,
     # FFN 53248, vocab 128256.
     "llama-3.1-405b": Model("Llama-3.1-405B", 126, 16384, 128, 8, 128, 256, 53248, 128256),
-    # meta-llama/Llama-3.3-70B-Instruct: 80 layers, hidden 8192, 64 q heads, 8 KV heads, FFN 28672.
-    "llama-3.3-70b": Model("Llama-3.3-70B", 80, 8192, 64, 8, 128, 256, 28672, 128256),
+    # Qwen/Qwen2.5-72B: 80 layers, hidden 8192, 64 q heads, 8 KV heads, head dim 128, FFN 29568,
+    # vocab 152064 (the q/k/v biases are left out: 0.01 % of the qkv weights).
+    "qwen2.5-72b": Model("Qwen2.5-72B", 80, 8192, 64, 8, 128, 256, 29568, 152064),
+    # Qwen/Qwen3-32B: 64 layers, hidden 5120, 64 q heads, 8 KV heads, head dim 128 (Q x D = 8192 >
+    # hidden), FFN 25600, vocab 151936.
+    "qwen3-32b": Model("Qwen3-32B", 64, 5120, 64, 8, 128, 256, 25600, 151936),
     # Qwen/Qwen3-235B-A22B: 94 layers, hidden 4096, 64 q heads, 4 KV heads, head dim 128, 128
-    # experts (8 per token, width 1536), vocab 151936.
+    # experts (8 per token, width 1536), no dense layer, vocab 151936.
     "qwen3-235b-a22b": Model("Qwen3-235B-A22B", 94, 4096, 64, 4, 128, 256, 12288, 151936, 128, 8, 1536),
+    # mistralai/Mixtral-8x22B-v0.1: 56 layers, hidden 6144, 48 q heads, 8 KV heads, head dim 128,
+    # 8 experts (2 per token, width 16384), vocab 32000.
+    "mixtral-8x22b": Model("Mixtral-8x22B", 56, 6144, 48, 8, 128, 256, 16384, 32000, 8, 2, 16384),
     "deepseek-r1": _mla_preset(),
 }
+
+# The models of the comparison table (benchmark/README.md): ``--model table``.
+TABLE_MODELS = ["llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen2.5-72b", "qwen3-32b", "qwen3-235b-a22b", "mixtral-8x22b"]
 
 
 def model_from_config(path: str) -> Model:
@@ -175,16 +261,28 @@ def model_from_config(path: str) -> Model:
 # Layouts and the step model.
 # --------------------------------------------------------------------------------------------
 
+FAMILIES = ("tp", "dcp", "dcp-a2a", "helix")  # what --families / --compare consider (baselines: medha, dp-ep)
+FAMILY_TITLES = {"tp": "TP", "dcp": "DCP (0.5.23)", "dcp-a2a": "DCP a2a+repQ", "helix": "Helix"}
+
 
 @dataclass(frozen=True)
 class Layout:
-    """N GPUs and how attention and the FFN are split over them. ``family``:
+    """N GPUs and how attention and the FFN are split over them. ``kvp``: the KV's sequence-sharding
+    width (Helix's KVP, DCP's ``--dcp-size``). ``family``:
 
     - ``"tp"`` (``kvp`` 1): plain TP N for everything; KV heads replicated once N > K.
     - ``"helix"``: attention KVP x TPA (KV sharded along the sequence over KVP), then o_proj and
       the FFN TP over all N (the FFN of an MoE: every routed expert sharded over N; under uniform
       routing that reads the same expert bytes per GPU as any TPF x EP grid, the split only
       changes the FFN's collective, which this model takes as TP's all-reduce).
+    - ``"dcp"``: upstream ``--tp N --dcp-size kvp`` as 0.5.23 runs MHA/GQA decode (Triton backend):
+      qkv_proj TP over N; Q all-gathered over the DCP group (kvp x Q/N heads attend); the pool keeps
+      ``max(1, K // (N/kvp))`` KV heads for S/kvp tokens; LSE all-gather, fp32 output all-reduce;
+      o_proj and the FFN TP over N. Wrong in 0.5.23 where K x kvp > N (``layout_problem``).
+    - ``"dcp-a2a"``: DCP with the All-to-All exchange and Q replicated over the DCP group (0.5.23's
+      MLA path with ``--dcp-comm-backend a2a --dcp-replicate-q-proj``; for GQA, with the KV-head fix
+      that replicates K/V within the group): qkv_proj over N/kvp, one All-to-All, o_proj and the FFN
+      over N. Where N/kvp divides K this is Helix's layout; it also allows N/kvp > K.
     - ``"medha"``: the paper's "vanilla KVP" baseline: attention as Helix, but o_proj and the FFN
       TP over the TPA GPUs only (replicated over KVP), its exchange not overlapped.
     - ``"dp-ep"``: the paper's MoE baseline: data-parallel attention (each GPU serves B/N requests
@@ -202,22 +300,46 @@ class Layout:
 
     @property
     def tpa(self) -> int:
+        """GPUs the attention heads are split over (DCP: N/d, the heads of a gathered group)."""
         return self.n // self.kvp
 
     def name(self) -> str:
         return {
             "tp": f"TP{self.n}",
             "helix": f"Helix KVP{self.kvp}xTPA{self.tpa}",
+            "dcp": f"TP{self.n} DCP{self.kvp}",
+            "dcp-a2a": f"TP{self.n} DCP{self.kvp} a2a+repQ",
             "medha": f"KVP{self.kvp}xTP{self.tpa} (Medha)",
             "dp-ep": f"DP{self.n} attn + EP{self.n}",
         }[self.kind]
 
 
-def layouts(model: Model, n: int, baselines: bool = False) -> List[Layout]:
-    """Plain TP and every Helix KVP x TPA = n whose TPA divides K (so TPA <= K); with
-    ``baselines``, the paper's other families too (Medha-style KVP x TP; DP attention + EP for MoE)."""
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def dcp_layouts(model: Model, n: int) -> List[Layout]:
+    """``--dcp-size d`` for every d > 1 dividing N: 0.5.23's MHA path (GQA models; shown even where
+    it computes wrongly, see ``layout_problem``) and the All-to-All + replicated-Q variant (where
+    N/d and K divide one another, so every GPU holds whole KV heads)."""
     out = []
-    for kvp in [d for d in range(1, n + 1) if n % d == 0]:
+    for d in _divisors(n)[1:]:
+        if model.q_heads % n:
+            continue
+        if not model.mla:
+            out.append(Layout(n, d, "dcp"))
+        tpa = n // d
+        if model.mla or tpa % model.kv_heads == 0 or model.kv_heads % tpa == 0:
+            out.append(Layout(n, d, "dcp-a2a"))
+    return out
+
+
+def layouts(model: Model, n: int, baselines: bool = False, dcp: bool = False) -> List[Layout]:
+    """Plain TP and every Helix KVP x TPA = n whose TPA divides K (so TPA <= K); with
+    ``baselines``, the paper's other families too (Medha-style KVP x TP; DP attention + EP for MoE);
+    with ``dcp``, upstream's ``--dcp-size`` layouts (``dcp_layouts``)."""
+    out = []
+    for kvp in _divisors(n):
         tpa = n // kvp
         if kvp > 1 and (model.kv_heads % tpa or model.q_heads % n):
             continue
@@ -226,7 +348,24 @@ def layouts(model: Model, n: int, baselines: bool = False) -> List[Layout]:
             out.append(Layout(n, kvp, "medha"))
     if baselines and model.moe:
         out.append(Layout(n, 1, "dp-ep"))
+    if dcp:
+        out += dcp_layouts(model, n)
     return out
+
+
+def layout_problem(model: Model, layout: Layout) -> str:
+    """Why SGLang 0.5.23 does not run ``layout`` correctly ("" when it does, or for other families).
+
+    0.5.23's ``--dcp-size d`` keeps Llama-style K/V (sharded over the TP ranks) while its pool and
+    decode assume every rank of a DCP group holds the same KV heads: true only where d divides N/K
+    (K x d <= N). Otherwise query heads read zeros or the wrong KV head, silently
+    (benchmark/dcp_gqa_check.py, docs/upstream-pr.md)."""
+    if layout.kind != "dcp":
+        return ""
+    n, d, k = layout.n, layout.kvp, model.kv_heads
+    if n % k or (n // k) % d:
+        return f"K x d = {k * d} > N = {n}: wrong in 0.5.23 without the KV-head fix"
+    return ""
 
 
 @dataclass
@@ -239,10 +378,17 @@ class Step:
     ar_s: float
     kv_bytes_per_request: float  # KV one GPU holds for one request, all layers
     max_batch: int  # requests whose KV fits next to the weights in 90% of HBM
+    ag_s: float = 0.0  # DCP's all-gathers (Q and LSE)
+    lm_head_s: float = 0.0  # the part of weights_s that is lm_head (not a decoder layer)
+    problem: str = ""  # why 0.5.23 computes this layout wrongly ("" = it does not)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problem
 
     @property
     def total_s(self) -> float:
-        return self.kv_s + self.weights_s + self.a2a_s + self.ar_s
+        return self.kv_s + self.weights_s + self.a2a_s + self.ag_s + self.ar_s
 
     @property
     def tok_s_user(self) -> float:
@@ -255,18 +401,33 @@ class Step:
 
 def kv_heads_per_gpu(model: Model, layout: Layout) -> float:
     """KV heads one GPU stores for its tokens: plain TP max(1, K/N) (replicated once N > K),
-    Helix / Medha K/TPA, DP attention K. MLA: the one latent head, replicated on every attention rank."""
+    Helix / Medha K/TPA, DCP max(1, K/(N/d)) (0.5.23's ``get_num_kv_heads(tp, dcp)``; the same
+    with the KV-head fix), DP attention K. MLA: the one latent head, replicated on every attention rank."""
     if model.mla:
         return 1.0
     if layout.kind == "dp-ep":
         return float(model.kv_heads)
-    if layout.kvp == 1:
-        return max(1.0, model.kv_heads / layout.n)
-    return model.kv_heads / layout.tpa
+    return max(1.0, model.kv_heads / layout.tpa)  # TP: tpa = N
 
 
 def tokens_per_gpu(context: int, layout: Layout) -> float:
     return context / layout.kvp
+
+
+def weight_splits(layout: Layout) -> Tuple[int, int, int]:
+    """``(qkv, heads, dense)``: GPUs that qkv_proj's weights, the attending query heads, and
+    o_proj / the FFN / lm_head are split over. DCP (0.5.23) shards qkv_proj over N but attends
+    with the DCP group's gathered heads (Q/TPA); Helix and DCP a2a+repQ replicate qkv_proj over
+    KVP; Medha also keeps o_proj and the FFN on TPA; DP attention keeps everything whole."""
+    n, tpa = layout.n, layout.tpa
+    return {
+        "tp": (n, n, n),
+        "helix": (tpa, tpa, n),
+        "dcp": (n, tpa, n),
+        "dcp-a2a": (tpa, tpa, n),
+        "medha": (tpa, tpa, tpa),
+        "dp-ep": (1, 1, 1),
+    }[layout.kind]
 
 
 def expected_distinct_experts(model: Model, batch: int) -> float:
@@ -276,10 +437,48 @@ def expected_distinct_experts(model: Model, batch: int) -> float:
     return model.experts * (1.0 - (1.0 - model.experts_per_token / model.experts) ** batch)
 
 
-def helix_a2a_bytes(model: Model, n: int, kvp: int, batch: int, act_bytes: float) -> float:
+def helix_a2a_bytes(model: Model, n: int, kvp: int, batch: int, act_bytes: float, dim: Optional[int] = None) -> float:
     """Bytes one GPU sends in a layer's All-to-All: (KVP-1)/KVP of its partials [B, Q/TPA, Dv]
-    and their fp32 LSE, i.e. (KVP-1) x B x (Q/N) x (Dv x e + 4)."""
-    return (kvp - 1) * batch * (model.q_heads / n) * (model.dv * act_bytes + 4)
+    and their fp32 LSE, i.e. (KVP-1) x B x (Q/N) x (Dv x e + 4). ``dim``: the exchanged width when
+    it is not Dv (0.5.23's MLA DCP exchanges the latent, kv_lora_rank)."""
+    return (kvp - 1) * batch * (model.q_heads / n) * ((dim or model.dv) * act_bytes + 4)
+
+
+def collectives_per_layer(model: Model, layout: Layout, batch: int, act_bytes: float = 2.0) -> List[Tuple[str, float]]:
+    """``[(collective, bytes one GPU sends)]`` of one decoder layer (dp-ep: of one MoE layer).
+
+    TP, Helix, DCP: a ring all-reduce of [B, hidden] after o_proj and one after the FFN, over N
+    (Medha: over TPA). Helix / Medha / DCP a2a+repQ: one All-to-All over the KVP group. DCP
+    (0.5.23): all-gather Q, all-gather the fp32 LSE, all-reduce the fp32 outputs
+    (``comm_per_layer``). dp-ep: the token dispatch and combine all-to-alls, B/N tokens x k experts x [H].
+    """
+    n, kvp, kind = layout.n, layout.kvp, layout.kind
+    out: List[Tuple[str, float]] = []
+    if kind == "dp-ep":
+        if n > 1:
+            ep = math.ceil(batch / n) * model.experts_per_token * model.hidden * act_bytes * (n - 1) / n
+            out += [("all-to-all", ep), ("all-to-all", ep)]
+        return out
+    if kind in ("helix", "medha", "dcp-a2a") and kvp > 1:
+        dim = model.kv_dim - model.mla_rope_dim if (model.mla and kind == "dcp-a2a") else None
+        out.append(("all-to-all", helix_a2a_bytes(model, n, kvp, batch, act_bytes, dim)))
+    if kind == "dcp" and kvp > 1:
+        c = comm_per_layer(model, n, "dcp", kvp, batch, act_bytes)
+        out += [("all-gather", c["all-gather Q"]), ("all-gather", c["all-gather LSE (fp32)"])]
+        out.append(("all-reduce", c["all-reduce outputs (fp32)"]))
+    ar_n = weight_splits(layout)[2]
+    if ar_n > 1:
+        ar_bytes = 2.0 * (ar_n - 1) / ar_n * batch * model.hidden * act_bytes
+        out += [("all-reduce", ar_bytes), ("all-reduce", ar_bytes)]
+    return out
+
+
+def collective_counts(model: Model, layout: Layout) -> Dict[str, int]:
+    """How many of each collective one decoder layer runs."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for kind, _ in collectives_per_layer(model, layout, 1):
+        counts[kind] += 1
+    return counts
 
 
 def _roofline(bytes_: float, flops: float, hw: Hardware, peak: float) -> float:
@@ -288,34 +487,35 @@ def _roofline(bytes_: float, flops: float, hw: Hardware, peak: float) -> float:
 
 def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w_dtype: str, kv_dtype: str, act_bytes: float = 2.0) -> Step:
     """One decode step of ``batch`` requests at ``context`` tokens on ``layout``: seconds per part."""
-    n, kvp, tpa, kind = layout.n, layout.kvp, layout.tpa, layout.kind
+    n, kind = layout.n, layout.kind
     wb, kvb = DTYPE_BYTES[w_dtype], DTYPE_BYTES[kv_dtype]
     peak = hw.flops.get(w_dtype) or hw.flops["bf16"]
-    h, dv = model.hidden, model.dv
+    h = model.hidden
     tokens = tokens_per_gpu(context, layout)
     dp = kind == "dp-ep"
     attn_batch = math.ceil(batch / n) if dp else batch  # requests whose attention one GPU runs
+    qkv_split, attn_split, ffn_split = weight_splits(layout)
 
     # Attention over the KV: each GPU reads its tokens' KV, for its KV heads, once per request.
     kv_per_token_layer = kv_heads_per_gpu(model, layout) * model.kv_dim * kvb
     kv_bytes = attn_batch * tokens * kv_per_token_layer  # per layer
-    # Query heads one GPU attends with: plain TP Q/N, Helix / Medha Q/TPA (all of its TPA slice),
-    # DP all Q. MLA decode attends in the latent space: scores over latent + rope, values over the latent.
-    attn_split = {"tp": n, "helix": tpa, "medha": tpa, "dp-ep": 1}[kind]  # GPUs the heads are split over
+    # Query heads one GPU attends with: Q / attn_split (plain TP Q/N; Helix, Medha and both DCPs
+    # Q/TPA: DCP gathers d x Q/N; DP all Q). MLA decode attends in the latent space: scores over
+    # latent + rope, values over the latent.
     q_local = model.q_heads / attn_split
     if model.mla:
         qk_dim, v_dim = model.kv_dim, model.kv_dim - model.mla_rope_dim
     else:
-        qk_dim, v_dim = model.head_dim, dv
+        qk_dim, v_dim = model.head_dim, model.dv
     attn_flops = 2.0 * attn_batch * tokens * q_local * (qk_dim + v_dim)
     kv_s = _roofline(kv_bytes, attn_flops, hw, peak)
 
-    # Weights one GPU reads per layer (and the GEMM FLOPs, 2 x tokens x parameters): the
-    # pre-attention projections over TPA (replicated over KVP; plain TP: over N; DP: whole),
-    # o_proj over N (Medha: TPA; DP: whole); the FFN over N (Medha: TPA; MoE: the experts the
-    # batch touches, and the shared ones; dp-ep: routed experts over N, the rest whole).
-    ffn_split = {"tp": n, "helix": n, "medha": tpa, "dp-ep": 1}[kind]
-    attn_w = model.qkv_params() / attn_split + model.o_params() / ffn_split
+    # Weights one GPU reads per layer (and the GEMM FLOPs, 2 x tokens x parameters): qkv_proj over
+    # its split, o_proj over N (Medha: TPA; DP: whole); the FFN over N (Medha: TPA; MoE: the
+    # experts the batch touches, and the shared ones; dp-ep: routed experts over N, the rest whole).
+    # qkv_proj / split counts TP's and DCP's K/V weights once: with N > K they are replicated, which
+    # this leaves out (at most 2 x D x hidden per layer, ~1-3 % of a layer's weights per GPU).
+    attn_w = model.qkv_params() / qkv_split + model.o_params() / ffn_split
     moe_layers = model.layers - model.dense_layers if model.moe else 0
     dense_layers = model.layers - moe_layers
     dense_w = 3.0 * h * model.ffn / ffn_split
@@ -330,18 +530,12 @@ def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w
     lm_head_s = _roofline(lm_head * wb, 2.0 * attn_batch * lm_head, hw, peak)
     weights_s = dense_layers * w_dense_s + moe_layers * w_moe_s + lm_head_s
 
-    # Communication per layer. Helix / Medha: one All-to-All over the KVP group; a GPU sends
-    # (KVP-1)/KVP of its partials [B, Q/TPA, Dv] + fp32 LSE. TP / Helix: a ring all-reduce of
-    # [B, H] over N after o_proj and after the FFN (Medha: over TPA). dp-ep: per MoE layer, the
-    # token dispatch and combine all-to-alls, B/N tokens x k experts x [H] each.
-    a2a_bytes = helix_a2a_bytes(model, n, kvp, batch, act_bytes)
-    a2a_s = model.layers * (hw.link_latency_s + a2a_bytes / hw.link_bytes_s) if kvp > 1 else 0.0
-    ar_n = ffn_split
-    ar_bytes = 2.0 * (ar_n - 1) / ar_n * batch * h * act_bytes if ar_n > 1 else 0.0
-    ar_s = model.layers * 2 * (hw.link_latency_s + ar_bytes / hw.link_bytes_s) if ar_n > 1 else 0.0
-    if dp and n > 1:
-        ep_bytes = attn_batch * model.experts_per_token * h * act_bytes * (n - 1) / n
-        a2a_s = moe_layers * 2 * (hw.link_latency_s + ep_bytes / hw.link_bytes_s)
+    # Communication: per collective, latency + bytes / NVLink bandwidth (collectives_per_layer).
+    comm = dict.fromkeys(COLLECTIVES, 0.0)
+    for coll, nbytes in collectives_per_layer(model, layout, batch, act_bytes):
+        comm[coll] += hw.latency(coll) + nbytes / hw.link_bytes_s
+    layers = moe_layers if dp else model.layers  # dp-ep's all-to-alls run in the MoE layers only
+    a2a_s, ag_s, ar_s = (layers * comm[k] for k in ("all-to-all", "all-gather", "all-reduce"))
 
     # Capacity: every weight resident (all experts), embeddings and lm_head; KV in what is left.
     all_experts = (model.experts / routed_split + model.shared_experts / ffn_split) * one_expert
@@ -350,7 +544,14 @@ def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w
     kv_request = model.layers * kv_per_token_layer * tokens
     per_gpu = max(0, int((0.9 * hw.hbm_bytes - resident) // kv_request))
     max_batch = per_gpu * n if dp else per_gpu  # DP: each GPU holds the KV of its own requests
-    return Step(layout, batch, model.layers * kv_s, weights_s, a2a_s, ar_s, kv_request, max_batch)
+    return Step(layout, batch, model.layers * kv_s, weights_s, a2a_s, ar_s, kv_request, max_batch,
+                ag_s, lm_head_s, layout_problem(model, layout))  # fmt: skip
+
+
+def layer_seconds(model: Model, s: Step) -> float:
+    """One decoder layer of ``s`` on one GPU (the step without lm_head, per layer; MoE models with
+    dense layers: their mean)."""
+    return (s.total_s - s.lm_head_s) / model.layers
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,18 +599,25 @@ def print_comm_table(model: Model, ns: List[int], batch: int = 1, act_bytes: flo
             print(f"{name:<24} {collectives:>11} {extra / 1024:>12.2f} KiB {sum(c.values()) / 1024:>6.2f} KiB  {parts}", file=out)
 
 
-def sweep(model: Model, hw: Hardware, n: int, context: int, batches: List[int], w_dtype: str, kv_dtype: str) -> List[Step]:
+def sweep(model: Model, hw: Hardware, n: int, context: int, batches: List[int], w_dtype: str, kv_dtype: str,
+          families: Optional[List[str]] = None, show_invalid: bool = False) -> List[Step]:  # fmt: skip
+    """Every layout of ``families`` (default plain TP and Helix) at every batch whose KV fits.
+    Layouts 0.5.23 computes wrongly only with ``show_invalid`` (for the table: never candidates)."""
+    families = families or ["tp", "helix"]
     out = []
-    for lay in layouts(model, n):
+    for lay in layouts(model, n, dcp=any(f.startswith("dcp") for f in families)):
+        if lay.kind not in families:
+            continue
         for b in batches:
             s = step(model, hw, lay, context, b, w_dtype, kv_dtype)
-            if b <= s.max_batch:
+            if b <= s.max_batch and (s.valid or show_invalid):
                 out.append(s)
     return out
 
 
 def pareto(steps: List[Step]) -> List[Step]:
-    """Steps not beaten on both tokens/s/user and tokens/s/GPU by another."""
+    """Steps not beaten on both tokens/s/user and tokens/s/GPU by another (valid layouts only)."""
+    steps = [s for s in steps if s.valid]
     front = []
     for s in steps:
         if not any(o.tok_s_user >= s.tok_s_user and o.tok_s_gpu >= s.tok_s_gpu and (o.tok_s_user > s.tok_s_user or o.tok_s_gpu > s.tok_s_gpu) for o in steps):
@@ -419,12 +627,163 @@ def pareto(steps: List[Step]) -> List[Step]:
 
 def recommend(steps: List[Step], goal: str, target: float) -> Optional[Step]:
     """``latency``: the most tokens/s/GPU among steps with tokens/s/user >= target.
-    ``throughput``: the most tokens/s/user among steps with tokens/s/GPU >= target."""
+    ``throughput``: the most tokens/s/user among steps with tokens/s/GPU >= target.
+    Layouts 0.5.23 computes wrongly are never chosen."""
+    steps = [s for s in steps if s.valid]
     if goal == "latency":
         ok = [s for s in steps if s.tok_s_user >= target]
         return max(ok, key=lambda s: s.tok_s_gpu, default=None)
     ok = [s for s in steps if s.tok_s_gpu >= target]
     return max(ok, key=lambda s: s.tok_s_user, default=None)
+
+
+# --------------------------------------------------------------------------------------------
+# --compare: per model and case, the best layout of each family, and Helix's ratios.
+# --------------------------------------------------------------------------------------------
+
+
+def best_of_family(model: Model, hw: Hardware, n: int, context: int, batch: int, family: str,
+                   w_dtype: str = "bf16", kv_dtype: str = "bf16") -> Tuple[Optional[Step], int]:  # fmt: skip
+    """``(the fastest valid layout of family whose KV fits batch, or None; the family's largest
+    batch that fits, over its valid layouts)``. At a fixed N and batch the fastest step is also the
+    most tokens/s/GPU."""
+    steps = [step(model, hw, lay, context, batch, w_dtype, kv_dtype) for lay in layouts(model, n, dcp=True) if lay.kind == family]
+    steps = [s for s in steps if s.valid]
+    fits = [s for s in steps if batch <= s.max_batch]
+    best = min(fits, key=lambda s: s.total_s, default=None)
+    return best, max((s.max_batch for s in steps), default=0)
+
+
+def compare_row(model_key: str, hw_key: str, n: int, context: int, batch: int, hw: Optional[Hardware] = None) -> Dict[str, object]:
+    """One case: per family its best layout, tokens/s/user, tokens/s/GPU and largest fitting batch;
+    the ratios Helix/TP, Helix/DCP (0.5.23) and Helix/DCP a2a+repQ in tokens/s/user (= step time
+    ratios; at equal N and batch also the tokens/s/GPU ratios). "" where a family has no layout."""
+    model = MODELS[model_key]
+    hw = hw or HARDWARE[hw_key]
+    row: Dict[str, object] = {"model": model.name, "hw": hw_key, "gpus": n, "context": context, "batch": batch,
+                              "latency_us": latency_label(hw).split(" ")[0]}  # fmt: skip
+    best = {}
+    for fam in FAMILIES:
+        s, max_b = best_of_family(model, hw, n, context, batch, fam)
+        best[fam] = s
+        row[f"{fam}_layout"] = s.layout.name() if s else ""
+        row[f"{fam}_tok_s_user"] = round(s.tok_s_user, 2) if s else ""
+        row[f"{fam}_tok_s_gpu"] = round(s.tok_s_gpu, 3) if s else ""
+        row[f"{fam}_max_batch"] = s.max_batch if s else max_b
+        row[f"{fam}_layouts"] = sum(1 for x in layouts(model, n, dcp=True) if x.kind == fam and not layout_problem(model, x))
+    for other in ("tp", "dcp", "dcp-a2a"):
+        h, o = best["helix"], best[other]
+        row[f"helix_over_{other}"] = round(o.total_s / h.total_s, 3) if (h and o) else ""
+    return row
+
+
+def compare_rows(model_keys: List[str], hw_keys: List[str], ns: List[int], contexts: List[int], batches: List[int],
+                 latencies_s: Optional[List[Optional[float]]] = None, **per_kind_s: Optional[float]) -> List[Dict[str, object]]:  # fmt: skip
+    rows = []
+    for lat in latencies_s or [None]:
+        for key in model_keys:
+            for hw_key in hw_keys:
+                hw = with_latency(HARDWARE[hw_key], lat, **per_kind_s)
+                for n in ns:
+                    for context in contexts:
+                        for batch in batches:
+                            rows.append(compare_row(key, hw_key, n, context, batch, hw))
+    return rows
+
+
+def _ratio(x) -> str:
+    return f"{x:.2f}x" if x != "" else "-"
+
+
+def _no_layout(row: Dict[str, object], fam: str) -> str:
+    """Why a family has no step in ``row``: no layout 0.5.23 runs correctly, or the batch's KV (or
+    the weights alone: B <= 0) does not fit."""
+    if not row[f"{fam}_layouts"]:
+        return "no layout"
+    return f"does not fit (B <= {row[f'{fam}_max_batch']})"
+
+
+def _family_cell(row: Dict[str, object], fam: str) -> str:
+    if not row[f"{fam}_layout"]:
+        return _no_layout(row, fam)
+    layout = str(row[f"{fam}_layout"]).replace(f"TP{row['gpus']} ", "").replace("Helix ", "")
+    return f"{layout} {row[f'{fam}_tok_s_user']:.1f}/{row[f'{fam}_tok_s_gpu']:.2f} B<={row[f'{fam}_max_batch']}"
+
+
+def print_compare(rows: List[Dict[str, object]], out=None) -> None:
+    """Per model: one line per case, each family's best layout as "layout tok/s/user/tok/s/GPU
+    B<=largest batch that fits", then Helix/TP, Helix/DCP (0.5.23) and Helix/DCP a2a+repQ."""
+    out = out or sys.stdout
+    last = None
+    for r in rows:
+        head = (r["model"], r["latency_us"])
+        if head != last:
+            print(f"\n{r['model']}, bf16, collective latency {r['latency_us']} us (all-reduce/all-gather/all-to-all)", file=out)
+            print(f"{'hw':<5} {'N':>3} {'S':>8} {'B':>3}  " + "  ".join(f"{FAMILY_TITLES[f]:<34}" for f in FAMILIES)
+                  + f" {'H/TP':>6} {'H/DCP':>6} {'H/a2a':>6}", file=out)  # fmt: skip
+            last = head
+        cells = "  ".join(f"{_family_cell(r, f):<34}" for f in FAMILIES)
+        ratios = " ".join(f"{_ratio(r[f'helix_over_{o}']):>6}" for o in ("tp", "dcp", "dcp-a2a"))
+        print(f"{r['hw']:<5} {r['gpus']:>3} {r['context']:>8} {r['batch']:>3}  {cells} {ratios}", file=out)
+
+
+def _k(x: object) -> str:
+    x = int(x)
+    return f"{x >> 20}M" if x >= 1 << 20 else f"{x >> 10}K"
+
+
+def _ratio_cell(r: Dict[str, object]) -> str:
+    """ "Helix/TP · Helix/DCP": "OOM" where that family's KV (or weights) does not fit the batch but
+    Helix's does, "n/a" where 0.5.23 has no correct --dcp-size; "Helix OOM" / "-" where Helix (and
+    nothing else) fits."""
+    if not r["helix_layout"]:
+        return "Helix OOM" if (r["tp_layout"] or r["dcp_layout"]) else "-"
+    tp = _ratio(r["helix_over_tp"]).replace("x", "") if r["tp_layout"] else "TP OOM"
+    if not r["dcp_layouts"]:
+        return f"{tp} · n/a"
+    return f"{tp} · " + (_ratio(r["helix_over_dcp"]).replace("x", "") if r["dcp_layout"] else "DCP OOM")
+
+
+def print_compare_markdown(rows: List[Dict[str, object]], detail: Optional[List[Tuple[int, int]]] = None, out=None) -> None:
+    """The compact tables of benchmark/README.md: per GPU and latency, one line per model and N,
+    one cell per (context, batch): "Helix/TP · Helix/DCP" (``_ratio_cell``); then, per GPU and
+    ``detail`` case (context, batch; default the first of each), every family's best layout,
+    tokens/s/user, tokens/s/GPU and largest fitting batch."""
+    out = out or sys.stdout
+    cases = list(dict.fromkeys((r["context"], r["batch"]) for r in rows))
+    for hw_key, lat in dict.fromkeys((r["hw"], r["latency_us"]) for r in rows):
+        sel = [r for r in rows if (r["hw"], r["latency_us"]) == (hw_key, lat)]
+        print(f"\n{HARDWARE[hw_key].name}, collective latency {lat} us; cell: Helix/TP · Helix/DCP (0.5.23)\n", file=out)
+        print("| model | N | " + " | ".join(f"{_k(c)} B={b}" for c, b in cases) + " |", file=out)
+        print("|---|---|" + "---|" * len(cases), file=out)
+        for model, n in dict.fromkeys((r["model"], r["gpus"]) for r in sel):
+            cells = [_ratio_cell(next(x for x in sel if (x["model"], x["gpus"], x["context"], x["batch"]) == (model, n, c, b)))
+                     for c, b in cases]  # fmt: skip
+            print(f"| {model} | {n} | " + " | ".join(cells) + " |", file=out)
+    for (hw_key, lat), (c0, b0) in ((k, c) for k in dict.fromkeys((r["hw"], r["latency_us"]) for r in rows) for c in detail or cases[:1]):
+        sel = [r for r in rows if (r["hw"], r["latency_us"], r["context"], r["batch"]) == (hw_key, lat, c0, b0)]
+        print(f"\n{HARDWARE[hw_key].name}, {_k(c0)} context, batch {b0}, collective latency {lat} us; "
+              f"cell: best layout · tokens/s/user · tokens/s/GPU · largest batch that fits\n", file=out)  # fmt: skip
+        print("| model | N | " + " | ".join(FAMILY_TITLES[f] for f in FAMILIES) + " | Helix/TP | Helix/DCP |", file=out)
+        print("|---|---|" + "---|" * (len(FAMILIES) + 2), file=out)
+        for r in sel:
+            cells = []
+            for fam in FAMILIES:
+                if not r[f"{fam}_layout"]:
+                    cells.append(_no_layout(r, fam))
+                    continue
+                name = str(r[f"{fam}_layout"]).replace(f"TP{r['gpus']} ", "").replace("Helix ", "")
+                cells.append(f"{name} · {r[f'{fam}_tok_s_user']:.0f} · {r[f'{fam}_tok_s_gpu']:.1f} · {r[f'{fam}_max_batch']}")
+            print(f"| {r['model']} | {r['gpus']} | " + " | ".join(cells) + f" | {_ratio(r['helix_over_tp'])} | {_ratio(r['helix_over_dcp'])} |", file=out)
+
+
+def write_compare_csv(rows: List[Dict[str, object]], path: str) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,7 +823,7 @@ def paper_ratios(key: str, latency_s: float = ALPHA_S, context: int = 1 << 20, b
     """Helix's frontier against TP's (``baseline`` "tp") or the best baseline's ("best"; default:
     what the paper compares that model with)."""
     model, hw = MODELS[key], HARDWARE["gb200-nvl72"]
-    hw = dataclasses.replace(hw, link_latency_s=latency_s)
+    hw = with_latency(hw, latency_s)
     steps = []
     for n in PAPER_GPUS:
         for lay in layouts(model, n, baselines=True):
@@ -500,12 +859,15 @@ def print_paper(out=None) -> None:
 
 def print_table(steps: List[Step], out=None) -> None:
     out = out or sys.stdout
-    head = f"{'layout':<28} {'B':>5} {'kv ms':>8} {'w ms':>8} {'a2a ms':>7} {'ar ms':>7} {'step ms':>8} {'tok/s/user':>10} {'tok/s/GPU':>10} {'maxB':>6}"
+    head = (f"{'layout':<30} {'B':>5} {'kv ms':>8} {'w ms':>8} {'a2a ms':>7} {'ag ms':>7} {'ar ms':>7} {'step ms':>8} "
+            f"{'tok/s/user':>10} {'tok/s/GPU':>10} {'maxB':>6}")  # fmt: skip
     print(head, file=out)
     for s in steps:
+        note = f"  INVALID: {s.problem}" if s.problem else ""
         print(
-            f"{s.layout.name():<28} {s.batch:>5} {s.kv_s * 1e3:>8.3f} {s.weights_s * 1e3:>8.3f} {s.a2a_s * 1e3:>7.3f} "
-            f"{s.ar_s * 1e3:>7.3f} {s.total_s * 1e3:>8.3f} {s.tok_s_user:>10.1f} {s.tok_s_gpu:>10.2f} {s.max_batch:>6}",
+            f"{s.layout.name():<30} {s.batch:>5} {s.kv_s * 1e3:>8.3f} {s.weights_s * 1e3:>8.3f} {s.a2a_s * 1e3:>7.3f} "
+            f"{s.ag_s * 1e3:>7.3f} {s.ar_s * 1e3:>7.3f} {s.total_s * 1e3:>8.3f} {s.tok_s_user:>10.1f} {s.tok_s_gpu:>10.2f} "
+            f"{s.max_batch:>6}{note}",
             file=out,
         )
 
@@ -524,47 +886,97 @@ def _ints(s: str) -> List[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def _floats(s: str) -> List[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _names(s: str) -> List[str]:
+    return [x for x in s.split(",") if x]
+
+
+def _model_keys(arg: str) -> List[str]:
+    return TABLE_MODELS if arg == "table" else _names(arg)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}) or a config.json path")
-    p.add_argument("--hw", default="h100", choices=list(HARDWARE))
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--context", type=int, default=131072)
-    p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
+    p.add_argument("--model", help=f"a preset ({', '.join(MODELS)}) or a config.json path; with --compare a comma "
+                                   f"list of presets, or 'table' ({', '.join(TABLE_MODELS)})")  # fmt: skip
+    p.add_argument("--hw", type=_names, default=["h100"], help=f"{', '.join(HARDWARE)} (a comma list with --compare)")
+    p.add_argument("--gpus", type=_ints, default=[8], help="N (a comma list with --compare)")
+    p.add_argument("--context", type=_ints, default=[131072], help="tokens per request (a comma list with --compare)")
+    p.add_argument("--batch", type=_ints, default=None, help="batch sizes (default 1..1024; --compare: 1,16,64)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES), help="weights (and compute)")
     p.add_argument("--kv-dtype", default=None, choices=list(DTYPE_BYTES), help="KV cache (default: --dtype)")
-    p.add_argument("--pareto", help="write the tokens/s/user vs tokens/s/GPU plot here (PNG)")
+    p.add_argument("--families", type=_names, default=list(FAMILIES), help=f"layouts to consider: {', '.join(FAMILIES)}")
+    p.add_argument("--latency-us", type=_floats, default=None,
+                   help="per-collective latency in us, every collective; a comma list prints one table per value "
+                        "(default: the GPU's cited per-collective values)")  # fmt: skip
+    p.add_argument("--ar-us", type=float, help="all-reduce latency in us (after --latency-us)")
+    p.add_argument("--ag-us", type=float, help="all-gather latency in us (after --latency-us)")
+    p.add_argument("--a2a-us", type=float, help="all-to-all latency in us (after --latency-us)")
+    p.add_argument("--pareto", help="write the tokens/s/user vs tokens/s/GPU plot here (PNG; first latency)")
     p.add_argument("--paper", action="store_true", help="the paper's headline ratios under its assumptions, and the model's")
     p.add_argument("--comm", type=_ints, help="print the per-layer communication table at these N (e.g. 4,8) and exit")
-    p.add_argument("--recommend", choices=["latency", "throughput"])
+    p.add_argument("--recommend", choices=["latency", "throughput"], help="choose among every family's valid layouts")
     p.add_argument("--target", type=float, help="tokens/s/user (latency) or tokens/s/GPU (throughput)")
+    p.add_argument("--compare", action="store_true", help="per model and case: each family's best layout and Helix's ratios")
+    p.add_argument("--csv", help="--compare: also write the rows here")
+    p.add_argument("--markdown", action="store_true", help="--compare: print benchmark/README.md's compact tables instead")
+    p.add_argument("--detail", type=_ints, help="--markdown: context,batch[,context,batch...] of the per-family detail tables")
     args = p.parse_args(argv)
     if args.paper:
         print_paper()
         return 0
     if not args.model:
         p.error("--model is required (a preset or a config.json)")
+    unknown = [h for h in args.hw if h not in HARDWARE] + [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        p.error(f"unknown --hw / --families value(s): {', '.join(unknown)}")
+    us = {k: (v * 1e-6 if v is not None else None) for k, v in
+          (("all_reduce", args.ar_us), ("all_gather", args.ag_us), ("all_to_all", args.a2a_us))}  # fmt: skip
+    latencies = [x * 1e-6 for x in args.latency_us] if args.latency_us else [None]
+    if args.compare:
+        keys = _model_keys(args.model)
+        missing = [k for k in keys if k not in MODELS]
+        if missing:
+            p.error(f"--compare takes presets: {', '.join(missing)}")
+        rows = compare_rows(keys, args.hw, args.gpus, args.context, args.batch or [1, 16, 64], latencies, **us)
+        if args.markdown:
+            print_compare_markdown(rows, list(zip(args.detail[::2], args.detail[1::2])) if args.detail else None)
+        else:
+            print_compare(rows)
+        if args.csv:
+            write_compare_csv(rows, args.csv)
+            print(f"\nwrote {len(rows)} rows to {args.csv}")
+        return 0
+    if len(args.hw) > 1 or len(args.gpus) > 1 or len(args.context) > 1:
+        p.error("one --hw, --gpus and --context value (lists are for --compare)")
     model = MODELS[args.model] if args.model in MODELS else model_from_config(args.model)
-    hw = HARDWARE[args.hw]
     if args.comm:
-        for b in args.batch if args.batch != p.get_default("batch") else [1]:
+        for b in args.batch or [1]:
             print_comm_table(model, args.comm, b)
         return 0
-    if args.gpus > hw.domain:
-        print(f"note: {args.gpus} GPUs exceed one {hw.name} NVLink domain ({hw.domain}); the model assumes one", file=sys.stderr)
-    steps = sweep(model, hw, args.gpus, args.context, args.batch, args.dtype, args.kv_dtype or args.dtype)
-    print(f"{model.name} on {args.gpus} x {hw.name}, context {args.context}, weights {args.dtype}, KV {args.kv_dtype or args.dtype}, "
-          f"collective latency {hw.link_latency_s * 1e6:.0f} us (assumed)")  # fmt: skip
-    print_table(steps)
-    if args.pareto:
-        write_pareto_png(pareto(steps) if len(steps) > 50 else steps, args.pareto, f"{model.name}, {args.gpus} x {hw.name}, S={args.context}")
-        print(f"wrote {args.pareto}")
-    if args.recommend:
-        if args.target is None:
-            p.error("--recommend needs --target")
-        best = recommend(steps, args.recommend, args.target)
-        print("recommend:", "nothing meets the target" if best is None else f"{best.layout.name()} at batch {best.batch} "
-              f"({best.tok_s_user:.1f} tok/s/user, {best.tok_s_gpu:.2f} tok/s/GPU)")  # fmt: skip
+    n, context, batches = args.gpus[0], args.context[0], args.batch or [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    kv_dtype = args.kv_dtype or args.dtype
+    if args.recommend and args.target is None:
+        p.error("--recommend needs --target")
+    for i, lat in enumerate(latencies):
+        hw = with_latency(HARDWARE[args.hw[0]], lat, **us)
+        if n > hw.domain and i == 0:
+            print(f"note: {n} GPUs exceed one {hw.name} NVLink domain ({hw.domain}); the model assumes one", file=sys.stderr)
+        steps = sweep(model, hw, n, context, batches, args.dtype, kv_dtype, args.families, show_invalid=True)
+        print(f"{'' if i == 0 else chr(10)}{model.name} on {n} x {hw.name}, context {context}, weights {args.dtype}, "
+              f"KV {kv_dtype}, collective latency {latency_label(hw)}")  # fmt: skip
+        print_table(steps)
+        if args.pareto and i == 0:
+            valid = [s for s in steps if s.valid]
+            write_pareto_png(pareto(valid) if len(valid) > 50 else valid, args.pareto, f"{model.name}, {n} x {hw.name}, S={context}")
+            print(f"wrote {args.pareto}")
+        if args.recommend:
+            best = recommend(steps, args.recommend, args.target)
+            print("recommend:", "nothing meets the target" if best is None else f"{best.layout.name()} at batch {best.batch} "
+                  f"({best.tok_s_user:.1f} tok/s/user, {best.tok_s_gpu:.2f} tok/s/GPU)")  # fmt: skip
     return 0
 
 
