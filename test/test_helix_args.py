@@ -203,33 +203,34 @@ def test_unsupported_architecture(model, tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
-        "--helix-kvp-size 2 supports only LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM models, but --model-path "
+        "--helix-kvp-size 2 supports only LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM models, but --model-path "
         f"{path} is GemmaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
     )
 
 
 def test_model_class_must_opt_in(model, monkeypatch):
-    """A verified architecture is served only while its model class declares ``supports_helix``
-    (set by the model's patch): before that patch, --helix-kvp-size > 1 is refused at argument
-    time instead of running an attention that ignores it. What every prefix of the series checks
-    (``series prefixes``)."""
+    """An architecture is served only while its model class declares ``supports_helix`` in its own
+    body (set by the model's patch; the one source of the opt-in): before that patch,
+    --helix-kvp-size > 1 is refused at argument time instead of running an attention that ignores
+    it. What every prefix of the series checks (``series prefixes``)."""
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.mistral import MistralForCausalLM
 
-    assert LlamaForCausalLM.supports_helix and MistralForCausalLM.supports_helix  # inherited
+    assert vars(LlamaForCausalLM)["supports_helix"] and vars(MistralForCausalLM)["supports_helix"]
     monkeypatch.setattr(LlamaForCausalLM, "supports_helix", False)
     path = model()
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
-        "--helix-kvp-size 2 supports only Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM "
-        f"or MixtralForCausalLM models, but --model-path {path} is LlamaForCausalLM. Serve a "
-        "supported model, or use --helix-kvp-size 1."
+        "--helix-kvp-size 2 supports only MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+        f"Qwen3ForCausalLM or Qwen3MoeForCausalLM models, but --model-path {path} is LlamaForCausalLM. "
+        "Serve a supported model, or use --helix-kvp-size 1."
     )
 
 
 def test_inherited_opt_in_is_not_enough(model, tmp_path):
-    """A subclass of an opted-in class outside the verified list (here the Llama-based
-    ``LlamaForCausalLMEagle``) is refused: the list names what the tests cover."""
+    """A subclass of an opted-in class that does not opt in itself (here the Llama-based
+    ``LlamaForCausalLMEagle``) is refused: the opt-in is not inherited, so what is served is what
+    the tests cover."""
     import shutil
 
     from sglang.srt.models.registry import ModelRegistry
@@ -695,22 +696,19 @@ def test_max_total_tokens_below_one_page(model):
 
 
 def test_accessors_and_published_parallel(model):
-    from sglang.srt.arg_groups.helix_hook import helix_enabled, helix_tpa_size_of
+    from sglang.srt.arg_groups.helix_hook import helix_enabled
     from sglang.srt.runtime_context import create_context
 
     on = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "128"])
     off = resolve(model(), ["--tp", "4"])
-    assert (helix_enabled(on), helix_tpa_size_of(on)) == (True, 2)
-    assert (helix_enabled(off), helix_tpa_size_of(off)) == (False, 4)
+    assert helix_enabled(on) and not helix_enabled(off)
 
     parallel = create_context(on, role="test").parallel
     assert parallel.helix_enabled is True
     assert (parallel.helix_kvp_size, parallel.helix_tpa_size, parallel.helix_kvp_chunk_size) == (2, 2, 128)
-    assert helix_tpa_size_of(parallel) == 2
     parallel = create_context(off, role="test").parallel
     assert parallel.helix_enabled is False
     assert (parallel.helix_kvp_size, parallel.helix_tpa_size, parallel.helix_kvp_chunk_size) == (1, 0, 64)
-    assert helix_tpa_size_of(parallel) == 4
 
 
 @pytest.mark.parametrize(
@@ -821,3 +819,12 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     msg = str(info.value)
     assert msg.startswith(f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {chunk * kvp}: on --device cuda")
     assert ("power-of-two --helix-kvp-size" in msg) == (kvp == 3), msg
+
+
+def test_head_dim_the_exchange_cannot_take_is_refused_at_launch(tmp_path):
+    """The All-to-All + LSE combine takes whole power-of-two head rows: a head dim of 24 is
+    refused by the resolution step, naming the flag and the value, not at the first forward."""
+    path = write_tiny_model(str(tmp_path / "hd24"), TinyModelSpec(num_heads=8, num_kv_heads=4, head_dim=24))
+    msg = helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"])
+    assert "--helix-kvp-size 2 needs power-of-two attention head dims" in msg and "head_dim 24" in msg
+    resolve(path, ["--tp", "4"])  # Helix off: upstream's

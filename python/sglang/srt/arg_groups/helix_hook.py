@@ -26,8 +26,8 @@ cannot slip an unsupported value past it. Each run
 - resolves the KV page and the sizes counted in it (``helix_sizes``).
 
 Runtime code asks ``get_parallel().helix_enabled`` / ``helix_tpa_size`` /
-``helix_kvp_chunk_size`` after publish, or ``helix_enabled(cfg)`` /
-``helix_tpa_size_of(cfg)`` on a ServerArgs or view.
+``helix_kvp_chunk_size`` after publish, or ``helix_enabled(cfg)`` on a
+ServerArgs or view.
 """
 
 from __future__ import annotations
@@ -74,14 +74,6 @@ def helix_enabled(cfg: Any) -> bool:
     ``get_parallel().helix_enabled``.
     """
     return _view(cfg).helix_kvp_size > 1
-
-
-def helix_tpa_size_of(cfg: Any) -> int:
-    """The attention tensor-parallel width TPA: ``helix_tpa_size``, or
-    ``tp_size // helix_kvp_size`` where it is 0 (unset). Equals ``tp_size``
-    when Helix is off."""
-    view = _view(cfg)
-    return view.helix_tpa_size or view.tp_size // max(view.helix_kvp_size, 1)
 
 
 def _view(cfg: Any) -> Any:
