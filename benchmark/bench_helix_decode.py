@@ -142,10 +142,10 @@ def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
     if layout.kvp == 1:
         heads, tokens = max(1.0, k / layout.tp), context
     else:
-        from sglang.srt.layers.helix.ownership import local_kv_len_upper_bound
+        from sglang.srt.layers.helix.kv_layout import local_kv_lens
 
         heads = k / layout.tpa
-        tokens = local_kv_len_upper_bound(context, layout.kvp, layout.chunk)  # the largest shard
+        tokens = int(local_kv_lens(context, 0, layout.kvp, layout.chunk))  # the largest shard: rank 0's
     mib = heads * tokens * 2 * head_dim * dtype_bytes * cfg["num_hidden_layers"] / (1 << 20)
     return heads, tokens, mib
 
@@ -179,14 +179,9 @@ def a2a_kib(layout: Layout, batch: int, dtype_bytes: int) -> float | None:
         return None
     if layout.kvp == 1:
         return 0.0
-    import torch
-
-    from sglang.srt.layers.helix.comm import helix_a2a_bytes
-
-    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     heads = cfg["num_attention_heads"] // layout.tpa
-    return helix_a2a_bytes(batch, heads, head_dim, dtype, layout.kvp) / 1024
+    return batch * heads * (head_dim * dtype_bytes + 4) / 1024  # output + the fp32 LSE packed after it
 
 
 class Progress:

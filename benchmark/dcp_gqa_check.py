@@ -24,8 +24,8 @@ models/llama.py:181-214) and ``qwen3_5`` (replicated within the DCP group,
 models/qwen3_5.py:1287-1288, 1330-1341: upstream's GQA KV-head fix, wired only into Qwen3.5).
 
 **Helix** (``--tp N --helix-kvp-size KVP``): its own pieces: ``qkv_proj`` over TPA (the KV heads of
-``tpa_rank``), the K/V of the positions a KVP rank owns (``ownership.owner_rank``, chunk 4), the
-decode kernel's merged-LSE output over them for all Q/TPA heads, and ``merge_partials`` over the
+``tpa_rank``), the K/V of the positions a KVP rank owns (DCP's layout with interleave 4), the
+decode kernel's merged-LSE output over them for all Q/TPA heads, and ``dcp_lse_combine_triton`` over the
 KVP group of the head slice each rank receives in the All-to-All (``tp_rank * Q/N ...``).
 
 Results (2026-11-24, docs/upstream-pr.md): DCP is exact with ``qwen3_5``'s layout and with Llama's

@@ -6,7 +6,7 @@
 
 Needs only torch, triton and the series' kernel sources: sglang's Triton decode kernel (with patch
 0002's merged-LSE output), upstream's DCP pack/combine kernels and split heuristic
-(``kernels/ops/attention/metadata.py``) and the Helix modules ``comm``, ``ownership``,
+(``kernels/ops/attention/metadata.py``), ``srt/layers/dcp/layout.py`` and the Helix modules
 ``kv_layout`` and ``decode_state``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
 (see ../shared/notes/gpu-machine.md); that folder goes first on ``sys.path``. No server, no
 network. Without a GPU (and without ``--cpu-smoke``) it says so and exits 0.
@@ -14,7 +14,7 @@ network. Without a GPU (and without ``--cpu-smoke``) it says so and exits 0.
 One KVP group of one TPA slice is emulated in one process, for ``H = Q/TPA`` query heads and
 ``KH = K/TPA`` KV heads (default Llama-70B at TPA 8: 8 query heads, 1 KV head, head dim 128,
 bf16): the context's KV is sharded round-robin in chunks over KVP ranks, each rank runs the
-decode kernel over its shard with the merged LSE, packs (``comm``'s send buffer), the All-to-All
+decode kernel over its shard with the merged LSE, packs (``dcp_a2a_lse_reduce``'s send buffer), the All-to-All
 is a device copy of the packed buffers, and each rank merges its head slice. Checked:
 
 - exact: the merged output against float64 attention over the whole context (bf16 rounding);
@@ -48,11 +48,15 @@ import torch  # noqa: E402
 
 
 def _kernels():
+    from sglang.kernels.ops.attention import dcp_kernels
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
-    from sglang.srt.layers.helix import comm
-    from sglang.srt.layers.helix.ownership import owner_rank
 
-    return decode_attention_fwd, comm, owner_rank
+    return decode_attention_fwd, dcp_kernels
+
+
+def owner_rank(pos, kvp: int, chunk: int):
+    """Helix's layout: DCP's with interleave_size = chunk (runs of chunk positions per rank)."""
+    return (pos // chunk) % kvp
 
 
 def split_counts(lens: torch.Tensor, heads: int, kv_heads: int, splits: int, policy: bool, cores: int):
@@ -70,7 +74,7 @@ def split_counts(lens: torch.Tensor, heads: int, kv_heads: int, splits: int, pol
     return num, cap
 
 
-def shard_positions(context: int, kvp: int, chunk: int, owner_rank) -> list:
+def shard_positions(context: int, kvp: int, chunk: int) -> list:
     """Global positions each KVP rank owns, in order (round-robin chunks)."""
     pos = torch.arange(context)
     owner = owner_rank(pos, kvp, chunk)
@@ -81,15 +85,16 @@ class HelixGroupStep:
     """Static buffers and the step of one KVP group (one TPA slice), for eager runs and capture."""
 
     def __init__(self, q, k, v, kvp: int, chunk: int, splits: int, policy: bool = False, cores: int = 0):
-        decode, comm, owner_rank = _kernels()
-        self.decode, self.comm = decode, comm
+        decode, dcp_kernels = _kernels()
+        self.decode, self.dcp = decode, dcp_kernels
         B, H, D = q.shape
         self.B, self.H, self.D, self.kvp = B, H, D, kvp
         self.fused = True
         self.q = q
         self.scale = D**-0.5
         self.shards, self.split_counts, self.kv_bytes = [], [], []
-        for positions in shard_positions(k.shape[1], kvp, chunk, owner_rank):
+        lpd = dcp_kernels._lse_pack_dim(q.dtype)
+        for positions in shard_positions(k.shape[1], kvp, chunk):
             n = positions.numel()
             lens = torch.full((B,), n, dtype=torch.int64, device=q.device)
             num_splits, self.splits = split_counts(lens, H, k.shape[2], splits, policy, cores)
@@ -103,7 +108,7 @@ class HelixGroupStep:
             lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
             logits = torch.empty(B, H, self.splits, D, dtype=torch.float32, device=q.device)
             split_lse = torch.empty(B, H, self.splits, dtype=torch.float32, device=q.device)
-            shape = comm.a2a_buffer_shape(B, H, D, q.dtype, kvp)
+            shape = (kvp, B, H // kvp, D + lpd)  # dcp_a2a_lse_reduce_packed's send buffer
             send = torch.empty(shape, dtype=q.dtype, device=q.device)
             self.shards.append((kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send))
         self.recv = [torch.empty_like(self.shards[0][-1]) for _ in range(kvp)]
@@ -113,11 +118,12 @@ class HelixGroupStep:
     def rank_decode_pack(self, r: int) -> None:
         kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send = self.shards[r]
         if self.fused:  # stage 2 writes the send buffer (the head-split-output patch), as Helix attention does
-            out, lse = self.comm.send_views(send, self.D)
+            out, lse = send[..., : self.D], send.view(torch.float32)[..., self.D // self.lpd]
         self.decode(self.q, kb, vb, out, indptr, indices, logits, split_lse, num_splits, self.splits,
                     self.scale, 1.0, 1.0, output_lse=lse)  # fmt: skip
         if not self.fused:  # stage 2 into [B, H, D] + [B, H], then the pack kernel
-            self.comm._pack_send(out, lse, send, True)
+            D = self.D
+            self.dcp.dcp_pack_a2a_send(out, lse, send[..., :D], send.view(torch.float32)[..., D // self.lpd])
 
     def exchange(self) -> None:
         for dst in range(self.kvp):  # the All-to-All: chunk src of rank dst's receive = send[src][dst]
@@ -126,7 +132,7 @@ class HelixGroupStep:
 
     def rank_merge(self, r: int) -> None:
         recv, D = self.recv[r], self.D
-        out, _ = self.comm._combine(recv[..., :D], recv.view(torch.float32)[..., D // self.lpd], False, True)
+        out, _ = self.dcp.dcp_lse_combine_triton(recv[..., :D], recv.view(torch.float32)[..., D // self.lpd])
         self.merged[r].copy_(out)
 
     def __call__(self) -> torch.Tensor:
