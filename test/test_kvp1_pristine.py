@@ -7,9 +7,9 @@ below: the overlay has no ``sglang.srt.layers.helix`` and its touched files hash
 RECORD). Everything else (torch, the sgl_kernel stub, the CPU engine environment) is shared.
 
 - ``--tp 1``: the wheel exactly as published.
-- ``--tp 4``: the wheel plus patch 0001 alone. Without it upstream cannot start ``--tp > 1`` on the
+- ``--tp 4``: the wheel plus patch 0005 (no PyNccl for gloo groups) alone. Without it upstream cannot start ``--tp > 1`` on the
   CPU at all (a gloo group builds a PyNccl communicator: ``ValueError: Expected a cuda device``);
-  0001 only skips that communicator for gloo groups, which the CUDA path never builds.
+  0005 only skips that communicator for gloo groups, which the CUDA path never builds.
 
 Both sides run the same workload through the OpenAI API (batched and streamed completions, chat,
 a ~300-token prompt, single prompts). The greedy tokens and streamed texts must be equal, and
@@ -30,7 +30,7 @@ from sglang_helix.testing.openai_probe import LOGPROB_ATOL
 from sglang_helix.series import REPO, Series, _git_apply, pinned_wheel
 from sglang_helix.testing.cpu_env import STUB_DIR
 
-GLOO_PATCH = "0001-"  # the one patch the CPU harness needs for --tp > 1 (see the module docstring)
+GLOO_PATCH = "0005-Distributed-Do-not-create-a-PyNccl"  # the one patch the CPU harness needs for --tp > 1 (see the module docstring)
 
 
 def _unpack_wheel(dest) -> None:

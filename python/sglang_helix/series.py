@@ -395,8 +395,8 @@ def export(series: Series, workspace: Path) -> list[Path]:
 def upstream_branch(series: Series, checkout: Path, branch: str) -> str:
     """Turn the series into ``branch`` on an sglang git checkout at the pinned release.
 
-    The first commit adds the new modules (nothing imports them yet, so it is inert), then
-    one commit per patch, with the patch's own message.
+    One commit per patch, with the patch's own message; each new module is added in the commit of
+    the patch that first uses it (``NEW_MODULE_PATCHES``), so no commit brings in code nothing runs.
     """
     if not (checkout / "python" / "sglang" / "version.py").exists():
         raise SeriesError(f"{checkout} is not an sglang checkout (no python/sglang/version.py)")
