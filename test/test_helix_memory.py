@@ -33,9 +33,9 @@ MODELS = {
 CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
 
 
-def _reserved(monkeypatch, q, v_head_dim, dtype=torch.bfloat16, splits_flag=8, graphs=True):
+def _reserved(monkeypatch, q, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True):
     parallel = SimpleNamespace(
-        helix_enabled=True, helix_enable_cuda_graph=graphs, helix_kvp_size=KVP, helix_tpa_size=TP // KVP,
+        helix_enabled=helix, helix_kvp_size=KVP, helix_tpa_size=TP // KVP,
         helix_kvp_chunk_size=CHUNK,
     )  # fmt: skip
     exec_ = SimpleNamespace(
@@ -73,15 +73,17 @@ def test_reserved_equals_allocated_for_real_models(name, monkeypatch):
     assert allocated > MAX_BS * CONTEXT // KVP * 8
 
 
-def test_nothing_is_reserved_without_helix_graphs(monkeypatch):
-    assert _reserved(monkeypatch, 64, 128, graphs=False) == 0
+def test_nothing_is_reserved_with_helix_off(monkeypatch):
+    assert _reserved(monkeypatch, 64, 128, helix=False) == 0
 
 
-def test_eager_decode_reuses_the_graph_buffers():
-    slots, max_len = 4, 64
+def test_eager_decode_uses_the_one_charged_set():
+    """Eager decode allocates the charged set (``reserved_bs`` requests) at its first step and fills
+    it for every batch that fits; graph capture then reuses it (no second copy); only a larger
+    batch grows separate eager buffers."""
+    slots, max_len = 6, 64
     req_to_token = (CHUNK * KVP * (1 + torch.arange(slots)[:, None] * 2) + torch.arange(max_len)).int()
-    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK)
-    state.init_graph_state(4, max_len)
+    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK, reserved_bs=4)
 
     def batch(n):
         seq = torch.tensor([max_len - 1] * n)
@@ -91,6 +93,10 @@ def test_eager_decode_reuses_the_graph_buffers():
         )  # fmt: skip
 
     state.prepare_eager(batch(3))
-    assert state.metadata.buffers is state.graph and state.eager is None  # no second copy
+    charged = state.graph
+    assert charged.max_bs == 4 and state.metadata.buffers is charged and state.eager is None
     state.prepare_eager(batch(4))
-    assert state.metadata.buffers is state.graph and state.eager is None
+    assert state.metadata.buffers is charged and state.eager is None
+    assert state.init_graph_state(4, max_len) is charged.kv_indices and state.graph is charged  # reused
+    state.prepare_eager(batch(6))  # larger than the charged set: grown eager buffers
+    assert state.eager is not None and state.metadata.buffers is state.eager and state.graph is charged

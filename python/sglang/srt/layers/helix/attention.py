@@ -238,8 +238,8 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         if hi == lo:
             continue  # this rank owns none of the request's tokens: neutral partial
         rows = meta.kv_indices[lo:hi]
-        kb = k_buf[rows].float() * k_descale  # [L, K/TPA, D]
-        vb = v_buf[rows].float() * v_descale  # [L, K/TPA, Dv]
+        kb = _read_rows(k_buf, rows, k_descale)  # [L, K/TPA, D] fp32
+        vb = _read_rows(v_buf, rows, v_descale)  # [L, K/TPA, Dv] fp32
         block = max(1, _SCORE_ELEMS // (H * (hi - lo)))
         for t0 in range(first, first + q_len, block):
             tok = slice(t0, min(t0 + block, first + q_len))
@@ -257,6 +257,13 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
             out[tok] = o.reshape(o.shape[0], H, -1).to(out.dtype)
             lse[tok] = m.permute(2, 0, 1).reshape(-1, H)
     return out, lse
+
+
+def _read_rows(buf: torch.Tensor, rows: torch.Tensor, descale: float) -> torch.Tensor:
+    """``buf[rows]`` in fp32, dequantized: one gather (plus one conversion for a non-fp32 pool),
+    no multiply when the scale is 1."""
+    out = buf[rows].float()
+    return out if descale == 1.0 else out.mul_(descale)
 
 
 def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, float]]:

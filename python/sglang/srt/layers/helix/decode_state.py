@@ -181,19 +181,25 @@ def buffer_bytes(
     return lists + splits + 2 * elem * a2a[0] * a2a[1] * a2a[2] * a2a[3]
 
 
+def reserved_batch() -> int:
+    """``B``: the requests Helix's one decode buffer set is sized for -- the largest decode CUDA-graph
+    batch configured (``cuda_graph_config.decode.bs``, resolved even when graphs are off)."""
+    from sglang.srt.runtime_context import get_exec
+
+    return max(get_exec().graph.cuda_graph_config.decode.bs or [0])
+
+
 def graph_buffer_bytes(kvc) -> int:
-    """What ``init_graph_state`` + the first layer's workspace will allocate on this rank, for the
-    KV pool sizing to charge (``DefaultPoolConfigurator``): 0 unless Helix keeps decode CUDA graphs
-    (``--helix-enable-cuda-graph``). Sized for the largest configured decode graph batch and the
-    model's context, with the GPU split cap (``kv_split_policy``); eager decode reuses these
-    buffers for every batch that fits them."""
+    """What the decode buffer set (``reserved_batch()`` requests at the model's context, the lists,
+    the first layer's workspace) will allocate on this rank, for the KV pool sizing to charge
+    (``DefaultPoolConfigurator``); 0 with Helix off. Graph capture and every eager decode batch that
+    fits use this one set (``HelixDecodeState``), with the GPU split cap (``kv_split_policy``)."""
     from sglang.srt.runtime_context import get_exec
 
     parallel = get_parallel()
-    graph = get_exec().graph
-    if not parallel.helix_enabled or not parallel.helix_enable_cuda_graph or graph.disable_cuda_graph:
+    if not parallel.helix_enabled:
         return 0
-    max_bs = max(graph.cuda_graph_config.decode.bs)
+    max_bs = reserved_batch()
     model_config = kvc.model_config
     kvp, chunk = parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
     capacity = max_bs * int(local_kv_lens(model_config.context_len, 0, kvp, chunk))
@@ -214,8 +220,9 @@ class HelixDecodeState:
     ``prepare_in_graph`` (graph capture); Helix attention reads ``metadata``.
     """
 
-    def __init__(self, req_to_token: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int):
+    def __init__(self, req_to_token: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int, reserved_bs: int = 0):
         self.req_to_token = req_to_token
+        self.reserved_bs = reserved_bs  # the set the KV pool sizing charged (graph_buffer_bytes)
         self.kvp_rank, self.kvp_size, self.chunk = kvp_rank, kvp_size, chunk
         self.device = req_to_token.device
         self.eager: Optional[HelixDecodeBuffers] = None
@@ -228,7 +235,10 @@ class HelixDecodeState:
         parallel = get_parallel()
         if not parallel.helix_enabled:
             return None
-        return cls(req_to_token, parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size)
+        return cls(
+            req_to_token, parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size,
+            reserved_batch(),
+        )  # fmt: skip
 
     # -- the one implementation -----------------------------------------------------------
 
@@ -255,6 +265,8 @@ class HelixDecodeState:
         """Eager decode: grow the eager buffers on the host if this batch needs it, then fill."""
         batch, num_tokens = forward_batch.req_pool_indices.shape[0], forward_batch.out_cache_loc.shape[0]
         total = int(local_kv_lens(forward_batch.seq_lens_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum())
+        if self.graph is None and self.reserved_bs:  # the charged set, at the first decode
+            self.graph = self._buffers(self.reserved_bs, self.req_to_token.shape[1])
         graph = self.graph
         if graph is not None and max(batch, num_tokens) <= graph.max_bs and total <= graph.capacity:
             self.metadata = self.fill(graph, forward_batch)  # one set of buffers, not two
@@ -282,9 +294,18 @@ class HelixDecodeState:
                 "and replay are verified on the CPU harness only, not yet on a GPU server "
                 "(docs/helix-flags.md)."
             )
-        per_request = int(local_kv_lens(max_context_len, 0, self.kvp_size, self.chunk))  # rank 0 owns the most
-        self.graph = HelixDecodeBuffers(max_bs, max_bs * per_request, self.kvp_size, self.device, fixed=True)
+        graph = self.graph
+        if graph is None or graph.max_bs < max_bs or graph.capacity < self._capacity(max_bs, max_context_len):
+            self.graph = self._buffers(max_bs, max_context_len)
         return self.graph.kv_indices
+
+    def _capacity(self, max_bs: int, max_context_len: int) -> int:
+        return max_bs * int(local_kv_lens(max_context_len, 0, self.kvp_size, self.chunk))  # rank 0 owns the most
+
+    def _buffers(self, max_bs: int, max_context_len: int) -> HelixDecodeBuffers:
+        """One fixed set for ``max_bs`` requests of up to ``max_context_len`` tokens."""
+        capacity = self._capacity(max_bs, max_context_len)
+        return HelixDecodeBuffers(max_bs, capacity, self.kvp_size, self.device, fixed=True)
 
     def prepare_in_graph(self, forward_batch) -> None:
         """Graph capture (and warm-up): fill the graph buffers from the runner's static inputs."""
