@@ -1,10 +1,12 @@
 """Cost of Helix's pack + N-way LSE merge for one layer on one rank (no collective), both paths.
 
-``triton``: upstream's DCP Triton kernels (``dcp_pack_a2a_send``, ``dcp_lse_combine_triton``
-through ``sglang.srt.layers.helix.comm``), compiled on a GPU; without one they run under
-``TRITON_INTERPRET=1`` (set here when CUDA is absent), as on the CPU harness with
-``--attention-backend triton``. ``torch``: comm's torch path (what a CPU server without the
-interpreter runs, e.g. ``--attention-backend torch_native`` on the CPU harness).
+``triton``: upstream's DCP Triton kernels (``dcp_pack_a2a_send``, ``dcp_lse_combine_triton`` from
+``sglang.kernels.ops.attention.dcp_kernels``, what ``dcp_a2a_lse_reduce`` runs around its
+All-to-All), compiled on a GPU; without one they run under ``TRITON_INTERPRET=1`` (set here when
+CUDA is absent), as on the CPU harness with ``--attention-backend triton``. ``torch``: the series'
+torch pack and combine (``dcp_pack_a2a_send_torch``, ``dcp_lse_combine_torch``: what the reduce
+runs on a CPU without the interpreter, e.g. ``--attention-backend torch_native`` on the CPU
+harness). The send buffer is Helix's (``decode_state.a2a_buffer_shape`` / ``send_views``).
 
     .venv/bin/python benchmark/bench_helix_merge.py [--head-dim 64] [--tokens 1,64]
 """
@@ -20,7 +22,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from sglang.srt.layers.helix import comm  # noqa: E402
+from sglang.kernels.ops.attention.dcp_kernels import (  # noqa: E402
+    dcp_lse_combine_torch,
+    dcp_lse_combine_triton,
+    dcp_pack_a2a_send,
+    dcp_pack_a2a_send_torch,
+)
+from sglang.srt.layers.helix.decode_state import a2a_buffer_shape, send_views  # noqa: E402
+
+PATHS = {  # name: (pack, combine)
+    "triton": (dcp_pack_a2a_send, dcp_lse_combine_triton),
+    "torch": (dcp_pack_a2a_send_torch, dcp_lse_combine_torch),
+}
 
 
 def _timed(fn, device, repeats):
@@ -50,13 +63,15 @@ def main() -> None:
         kvp, H = (int(x) for x in pair.split(":"))
         for T in (int(t) for t in args.tokens.split(",")):
             out, lse = torch.randn(T, H, D, device=device), torch.randn(T, H, device=device)
-            send = torch.empty(comm.a2a_buffer_shape(T, H, D, out.dtype, kvp), device=device)
+            send = torch.empty(a2a_buffer_shape(T, H, D, out.dtype, kvp), device=device)
+            dst_o, dst_lse = send_views(send, D)
             outs = torch.randn(kvp, T, H // kvp, D, device=device)
             lses = torch.randn(kvp, T, H // kvp, device=device)
             times = []
-            for triton, n in ((True, repeats), (False, 100)):
-                times.append(_timed(lambda: comm._pack_send(out, lse, send, triton), device, n))
-                times.append(_timed(lambda: comm._combine(outs, lses, False, triton), device, n))
+            for name, n in (("triton", repeats), ("torch", 100)):
+                pack, combine = PATHS[name]
+                times.append(_timed(lambda: pack(out, lse, dst_o, dst_lse), device, n))
+                times.append(_timed(lambda: combine(outs, lses, True, False), device, n))
             print(
                 f"KVP {kvp} Q/TPA {H} T {T:4d}: triton pack {times[0] * 1e3:9.3f} ms, merge "
                 f"{times[1] * 1e3:9.3f} ms | torch pack {times[2] * 1e3:7.3f} ms, merge "

@@ -278,21 +278,38 @@ def test_output_lse_checks_dtype_and_shape(patched):
 def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, kvp):
     """Stage 2 given the All-to-All send buffer's views (a [KVP, B, H/KVP, D] output and a
     [KVP, B, H/KVP] LSE) writes exactly the bytes that packing its [B, H, D] output and [B, H]
-    LSE writes (``comm._pack_send``): bit for bit, an empty shard included."""
-    from sglang.srt.layers.helix import comm
+    LSE writes (``dcp_pack_a2a_send_torch``, the same bytes as upstream's ``dcp_pack_a2a_send``)
+    into ``dcp_a2a_lse_reduce_packed``'s send buffer: bit for bit, an empty shard included.
+
+    Upstream modules only (the per-prefix check runs this at the patch, before any Helix module);
+    where Helix's ``decode_state`` is installed, its buffer shape and views are these."""
+    from sglang.kernels.ops.attention.dcp_kernels import _lse_pack_dim, dcp_pack_a2a_send_torch
 
     lens = [0, 5, 130]
     q, k, v, indptr, indices = make_inputs(lens, 2, group, head_dim, seed=31 + group)
     B, H = q.shape[:2]
     args = (q, k, v, indptr, indices, [1, 2, 4], 4, 0.2)
     o, lse = run_kernel(patched, *args)
-    shape = comm.a2a_buffer_shape(B, H, head_dim, q.dtype, kvp)
+    lpd = _lse_pack_dim(q.dtype)
+    shape = (kvp, B, H // kvp, head_dim + lpd)  # dcp_a2a_lse_reduce_packed's send buffer
+
+    def views(buf):  # (out [KVP, B, H/KVP, D], lse [KVP, B, H/KVP] fp32: the word after the output)
+        return buf[..., :head_dim], buf.view(torch.float32)[..., head_dim // lpd]
+
     packed = torch.full(shape, float("nan"))
-    comm._pack_send(o, lse, packed, False)
+    dcp_pack_a2a_send_torch(o, lse, *views(packed))
     send = torch.full(shape, float("nan"))
-    out_view, lse_view = comm.send_views(send, head_dim)
+    out_view, lse_view = views(send)
     run_kernel(patched, *args, o=out_view, output_lse=lse_view)
     assert torch.equal(send.view(torch.int32), packed.view(torch.int32))
+    if importlib.util.find_spec("sglang.srt.layers.helix") is not None:
+        from sglang.srt.layers.helix import decode_state
+
+        assert decode_state.a2a_buffer_shape(B, H, head_dim, q.dtype, kvp) == shape
+        for mine, helix in zip(views(send), decode_state.send_views(send, head_dim)):
+            assert (mine.data_ptr(), mine.shape, mine.stride(), mine.dtype) == (
+                helix.data_ptr(), helix.shape, helix.stride(), helix.dtype,
+            )  # fmt: skip
     # The same option writes any strided layout, e.g. [B, H/KVP, KVP, D] (FlashInfer's
     # decode_cp_a2a_lse_reduce partial_o) seen through a permute.
     fi_o = torch.full((B, H // kvp, kvp, head_dim), float("nan"))

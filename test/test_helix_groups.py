@@ -1,21 +1,40 @@
 """The Helix KVP group: membership for N=4 and N=8 (and with PP), and real gloo groups.
 
 Layout: tp_rank = tpa_rank * KVP + kvp_rank (``runtime_context`` publishes both). KVP groups are
-contiguous blocks of KVP TP ranks with one tpa_rank. After the All-to-All, KVP rank k of TPA
+contiguous blocks of KVP TP ranks with one tpa_rank: upstream's DCP group layout,
+``parallel_state.dcp_group_ranks(tp_group_ranks, KVP)``. After the All-to-All, KVP rank k of TPA
 slice t holds query heads [tp_rank * Q/N, (tp_rank + 1) * Q/N): the o_proj shard of plain TP=N.
+
+``initialize_model_parallel`` builds the group (``_HELIX_KVP``, group name ``helix_kvp``) and
+publishes it as ``get_parallel().helix_kvp_group``; ``destroy_model_parallel`` tears it down.
+
+The per-prefix check runs this file at the patch "[Distributed] Do not create a PyNccl
+communicator for gloo groups", before the Helix group exists: there the multi-process test builds
+the groups with ``dcp_group_ranks`` + ``init_model_parallel_group`` only, and the
+``initialize_model_parallel`` part runs from the patch "[Helix] Process groups" on.
 """
 
+import importlib.util
 import os
 import tempfile
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang.srt.layers.helix.groups import helix_kvp_group_ranks
+from sglang.srt.distributed import parallel_state
+from sglang.srt.distributed.parallel_state import dcp_group_ranks
+
+# The Helix process-group patch is in the tree under test. Where the Helix modules are (the full
+# series), it must be: only a prefix of the series before that patch lacks it.
+HELIX_GROUP = hasattr(parallel_state, "_HELIX_KVP")
+
+
+def test_the_helix_group_is_built_where_helix_is():
+    if importlib.util.find_spec("sglang.srt.layers.helix") is not None:
+        assert HELIX_GROUP, "sglang.srt.layers.helix is installed but parallel_state has no _HELIX_KVP"
 
 
 def _check_partition(groups, members, size):
@@ -27,7 +46,7 @@ def _check_partition(groups, members, size):
 @pytest.mark.parametrize("n,kvp", [(4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (8, 1)])
 def test_membership(n, kvp):
     tpa = n // kvp
-    kvp_groups = helix_kvp_group_ranks([list(range(n))], kvp)
+    kvp_groups = dcp_group_ranks([list(range(n))], kvp)
     assert len(kvp_groups) == tpa
     _check_partition(kvp_groups, range(n), kvp)
     for r in range(n):
@@ -37,49 +56,103 @@ def test_membership(n, kvp):
 
 
 def test_worked_example_n8_kvp4():
-    assert helix_kvp_group_ranks([list(range(8))], 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dcp_group_ranks([list(range(8))], 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_groups_stay_inside_each_pipeline_stage():
     # PP=2, TP=4: TP groups [0..3], [4..7]; Helix groups never cross a stage.
-    assert helix_kvp_group_ranks([[0, 1, 2, 3], [4, 5, 6, 7]], 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dcp_group_ranks([[0, 1, 2, 3], [4, 5, 6, 7]], 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dcp_group_ranks([[0, 1, 2, 3], [4, 5, 6, 7]], 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # PP=4, TP=2 with KVP=2: each stage's TP group is one KVP group.
+    assert dcp_group_ranks([[0, 1], [2, 3], [4, 5], [6, 7]], 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # The lists are the TP groups' global ranks, whatever they are (e.g. a joiner's rank offset).
+    assert dcp_group_ranks([[8, 9, 10, 11]], 2) == [[8, 9], [10, 11]]
 
 
-def test_indivisible_is_refused():
-    with pytest.raises(ValueError, match="--helix-kvp-size 3"):
-        helix_kvp_group_ranks([list(range(4))], 3)
+def _check_group(group, rank, ranks):
+    """A built KVP GroupCoordinator: its members, this rank's place, gloo with no PyNccl, and a
+    real collective over it (the sum of the member ranks)."""
+    assert group.ranks == ranks and group.world_size == len(ranks)
+    assert group.rank_in_group == ranks.index(rank)
+    assert group.pynccl_comm is None  # a gloo group: torch.distributed, no PyNccl communicator
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=group.device_group)
+    assert x.item() == sum(ranks)
 
 
-def _worker(rank, world, kvp, init_file):
+def _publish(world, tp, kvp):
+    """The widths initialize_model_parallel reads, as a launcher publishes them."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    # destroy_model_parallel() clears every stamp, the WORLD group's too (init_distributed_environment's)
+    parallel.override_permanently(world_group=parallel_state._WORLD)
+    parallel.override_permanently(
+        tp_size=tp, pp_size=world // tp, attn_tp_size=tp, attn_dp_size=1, attn_cp_size=1,
+        attn_dcp_size=1, moe_ep_size=1, moe_dp_size=1, moe_tp_size=tp, shared_experts_tp_size=tp,
+        helix_kvp_size=kvp,
+    )  # fmt: skip
+    return parallel
+
+
+def _worker(rank, world, init_file):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    parallel_state.set_custom_all_reduce(False)
+    parallel_state.init_distributed_environment(
+        world_size=world, rank=rank, distributed_init_method=f"file://{init_file}", local_rank=rank,
+        backend="gloo", timeout=120,
+    )  # fmt: skip
     try:
-        from sglang.srt.layers.helix import groups
-
-        built = groups.init_helix_groups([list(range(world))], kvp, local_rank=rank, backend="gloo")
-        assert list(built) == ["helix_kvp_group"]  # the only group Helix adds
-        kvp_group = built["helix_kvp_group"]
-        assert kvp_group.world_size == kvp and kvp_group.rank_in_group == rank % kvp
-        # A real collective over the real group: the sum of its member ranks.
-        x = torch.tensor([float(rank)])
-        dist.all_reduce(x, group=kvp_group.device_group)
-        t = rank // kvp
-        assert x.item() == sum(range(t * kvp, (t + 1) * kvp))
-        groups.destroy_helix_groups()
+        # 1. The group from its layout: dcp_group_ranks + init_model_parallel_group (the backend
+        # picks use_pynccl: none for gloo).
+        for kvp in (2, 4):
+            all_ranks = dcp_group_ranks([list(range(world))], kvp)
+            group = parallel_state.init_model_parallel_group(all_ranks, rank, "gloo", group_name="helix_kvp")
+            _check_group(group, rank, [r for r in all_ranks if rank in r][0])
+            group.destroy()
+        if HELIX_GROUP:
+            # 2. As the runtime builds it, initialize_model_parallel from the published widths.
+            # KVP 1 (first, while nothing is published): no group is built, none is published.
+            parallel = _publish(world, 4, 1)
+            parallel_state.initialize_model_parallel(backend="gloo")
+            assert parallel_state._HELIX_KVP is None
+            assert "helix_kvp_group" not in parallel._stamp  # published: the config's default, None
+            dist.barrier()
+            parallel_state.destroy_model_parallel()
+            # PP=2 x TP=2 with KVP=2 (each stage's TP group is one KVP group); PP=1 x TP=4 with
+            # KVP=2 (two KVP groups in the TP group) and 4.
+            for tp, kvp in ((2, 2), (4, 2), (4, 4)):
+                parallel = _publish(world, tp, kvp)
+                parallel_state.initialize_model_parallel(backend="gloo")
+                tp_ranks = [r for r in range(world) if r // tp == rank // tp]
+                assert parallel_state.get_tp_group().ranks == tp_ranks
+                group = parallel_state._HELIX_KVP
+                assert group is not None and parallel.helix_kvp_group is group
+                assert group.unique_name.startswith("helix_kvp")
+                _check_group(group, rank, [r for r in tp_ranks if r // kvp == rank // kvp])
+                dist.barrier()
+                parallel_state.destroy_model_parallel()
+                assert parallel_state._HELIX_KVP is None
+        dist.barrier()  # rank 0 holds the store: nobody leaves while another still needs it
     finally:
-        dist.destroy_process_group()
+        parallel_state.destroy_distributed_environment()
 
 
-@pytest.mark.parametrize("world,kvp", [(4, 2), (4, 4)])
-def test_real_gloo_groups(world, kvp):
-    mp.set_forkserver_preload(["sglang.srt.distributed.parallel_state"])
+def test_real_gloo_groups():
+    world = 4
+    # The forkserver imports these once for all children (initialize_model_parallel imports the
+    # sampler, a large import).
+    preload = ["sglang.srt.distributed.parallel_state"] + (["sglang.srt.layers.sampler"] if HELIX_GROUP else [])
+    mp.set_forkserver_preload(preload)
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, kvp, os.path.join(tmp, "init")), nprocs=world, join=False, start_method="forkserver")
-        deadline = time.monotonic() + 120
+        ctx = mp.start_processes(
+            _worker, args=(world, os.path.join(tmp, "init")), nprocs=world, join=False, start_method="forkserver"
+        )
+        deadline = time.monotonic() + 240
         try:
-            while not ctx.join(timeout=1.0):
+            while not ctx.join(timeout=1.0):  # raises if a child failed
                 if time.monotonic() > deadline:
-                    raise TimeoutError("helix group workers ran over 120s")
+                    raise TimeoutError("helix group workers ran over 240s")
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -1,4 +1,11 @@
-"""Helix token ownership (sglang.srt.layers.helix.ownership) against a brute-force reference."""
+"""Helix token ownership against a brute-force reference.
+
+The rule: position ``p`` belongs to KVP rank ``(p // chunk) % KVP`` and sits at local index
+``(p // (chunk * KVP)) * chunk + p % chunk`` of that rank's compact KV. Helix implements it with
+upstream DCP's layout at ``interleave_size = chunk`` (``sglang.srt.layers.dcp.layout``:
+``get_dcp_lens``, ``localize_dcp_indices``) plus ``sglang.srt.layers.helix.kv_layout``
+(``local_kv_lens``, ``global_position``, ``write_rows``, ``local_kv_indices``' positions).
+"""
 
 from __future__ import annotations
 
@@ -7,24 +14,26 @@ import itertools
 import pytest
 import torch
 
-from sglang.srt.layers.helix.ownership import (
-    extend_ownership,
-    global_position,
-    local_kv_len,
-    local_kv_len_upper_bound,
-    local_position,
-    owned_count,
-    owned_mask,
-    owner_rank,
-)
+from sglang.srt.layers.dcp.layout import get_dcp_lens, localize_dcp_indices
+from sglang.srt.layers.helix import kv_layout
+from sglang.srt.layers.helix.kv_layout import TRASH_ROW, global_position, local_kv_lens, write_rows
 
 KVP_SIZES = (1, 2, 3, 4, 8)
 CHUNKS = (1, 2, 3, 4, 16)
+LAYOUTS = list(itertools.product(KVP_SIZES, CHUNKS))
 
 
-def ref_owned(seq_len: int, rank: int, kvp: int, chunk: int) -> list[int]:
-    """Global positions of the first ``seq_len`` tokens that ``rank`` owns, in order."""
-    return [p for p in range(seq_len) if (p // chunk) % kvp == rank]
+def ref_owner(p: int, kvp: int, chunk: int) -> int:
+    return (p // chunk) % kvp
+
+
+def ref_local(p: int, kvp: int, chunk: int) -> int:
+    return (p // (chunk * kvp)) * chunk + p % chunk
+
+
+def ref_owned(seq_len: int, rank: int, kvp: int, chunk: int, start: int = 0) -> list[int]:
+    """Global positions of ``[start, seq_len)`` that ``rank`` owns, in order."""
+    return [p for p in range(start, seq_len) if ref_owner(p, kvp, chunk) == rank]
 
 
 def seq_lens_for(kvp: int, chunk: int) -> list[int]:
@@ -34,98 +43,161 @@ def seq_lens_for(kvp: int, chunk: int) -> list[int]:
     return sorted(s for s in lens if s >= 0)
 
 
-@pytest.mark.parametrize("kvp,chunk", list(itertools.product(KVP_SIZES, CHUNKS)))
-def test_lengths_and_local_positions_match_reference(kvp, chunk):
-    lens = seq_lens_for(kvp, chunk)
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    s_max = max(lens)
+@pytest.mark.parametrize("kvp,chunk", LAYOUTS)
+def test_local_index_and_its_inverse_match_reference(kvp, chunk):
+    """``localize_dcp_indices`` on positions: the compact local index where owned, -1 elsewhere;
+    ``global_position`` maps local indices 0..L-1 back to the owned positions, in order."""
+    s_max = max(seq_lens_for(kvp, chunk))
+    pos = torch.arange(s_max)
     for rank in range(kvp):
         owned = ref_owned(s_max, rank, kvp, chunk)
-        # Owner and compact local position of every owned token: exactly 0..L-1, in order.
-        pos_t = torch.tensor(owned, dtype=torch.int64)
-        assert owner_rank(pos_t, kvp, chunk).eq(rank).all()
-        assert local_position(pos_t, kvp, chunk).tolist() == list(range(len(owned)))
-        assert global_position(torch.arange(len(owned)), rank, kvp, chunk).tolist() == owned
-        for s in lens:
-            expect = sum(1 for p in owned if p < s)
-            assert local_kv_len(s, rank, kvp, chunk) == expect, (s, rank, kvp, chunk)
-        # Vectorized over [B] sequence lengths (int64 and int32), same values, dtype kept.
-        expect_t = torch.tensor([sum(1 for p in owned if p < s) for s in lens])
+        got = localize_dcp_indices(pos, kvp, rank, interleave_size=chunk)
+        want = [ref_local(p, kvp, chunk) if ref_owner(p, kvp, chunk) == rank else -1 for p in range(s_max)]
+        assert got.tolist() == want, (rank, kvp, chunk)
+        # A rank's owned positions fill its local KV densely, in order: exactly 0..L-1.
+        assert got[got >= 0].tolist() == list(range(len(owned)))
+        back = global_position(torch.arange(len(owned)), rank, kvp, chunk)
+        assert back.dtype == torch.int64 and back.tolist() == owned
+
+
+@pytest.mark.parametrize("kvp,chunk", LAYOUTS)
+def test_lengths_match_reference(kvp, chunk):
+    """``local_kv_lens`` (ints, lists, int32/int64 tensors in; int64 out) and upstream's
+    ``get_dcp_lens`` (tensors; dtype kept) count the positions of ``[0, S)`` a rank owns."""
+    lens = seq_lens_for(kvp, chunk)
+    for rank in range(kvp):
+        expect = [len(ref_owned(s, rank, kvp, chunk)) for s in lens]
+        for s, e in zip(lens, expect):
+            got = local_kv_lens(s, rank, kvp, chunk)
+            assert got.dtype == torch.int64 and got.dim() == 0 and int(got) == e, (s, rank, kvp, chunk)
+        got = local_kv_lens(lens, rank, kvp, chunk)
+        assert got.dtype == torch.int64 and got.tolist() == expect
         for dtype in (torch.int64, torch.int32):
-            got = local_kv_len(lens_t.to(dtype), rank, kvp, chunk)
-            assert got.dtype == dtype
-            assert torch.equal(got.long(), expect_t)
+            lens_t = torch.tensor(lens, dtype=dtype)
+            assert local_kv_lens(lens_t, rank, kvp, chunk).dtype == torch.int64
+            assert local_kv_lens(lens_t, rank, kvp, chunk).tolist() == expect
+            up = get_dcp_lens(lens_t, kvp, rank, interleave_size=chunk)  # (dcp_size, dcp_rank) order
+            assert up.dtype == dtype and up.tolist() == expect
 
 
-@pytest.mark.parametrize("kvp,chunk", list(itertools.product(KVP_SIZES, CHUNKS)))
+@pytest.mark.parametrize("kvp,chunk", LAYOUTS)
 def test_sum_over_ranks_and_upper_bound(kvp, chunk):
     lens = torch.tensor(seq_lens_for(kvp, chunk))
-    per_rank = torch.stack([local_kv_len(lens, r, kvp, chunk) for r in range(kvp)])  # [KVP, B]
-    assert torch.equal(per_rank.sum(0), lens)
-    # A tensor of ranks broadcasts against the lengths: [KVP, 1] x [B] -> [KVP, B].
-    ranks = torch.arange(kvp)[:, None]
-    assert torch.equal(local_kv_len(lens[None, :], ranks, kvp, chunk), per_rank)
-    bound = local_kv_len_upper_bound(lens, kvp, chunk)
-    assert torch.equal(bound, per_rank.max(0).values)  # exact worst case, not just a bound
+    per_rank = torch.stack([local_kv_lens(lens, r, kvp, chunk) for r in range(kvp)])  # [KVP, B]
+    assert torch.equal(per_rank.sum(0), lens)  # every position has exactly one owner
+    # Rank 0 owns the most: its length is the exact worst case over the ranks, the bound the
+    # buffers are sized with.
+    bound = local_kv_lens(lens, 0, kvp, chunk)
+    assert torch.equal(bound, per_rank.max(0).values)
     ceil_per_rank = (lens + kvp - 1) // kvp
     assert (bound <= (ceil_per_rank + chunk - 1) // chunk * chunk).all()
     for s in lens.tolist():
-        assert local_kv_len_upper_bound(s, kvp, chunk) == max(
-            len(ref_owned(s, r, kvp, chunk)) for r in range(kvp)
-        )
+        assert int(local_kv_lens(s, 0, kvp, chunk)) == max(len(ref_owned(s, r, kvp, chunk)) for r in range(kvp))
 
 
 def test_ranks_that_own_nothing():
     # S < chunk: only rank 0 owns tokens.
-    assert [local_kv_len(3, r, 4, 16) for r in range(4)] == [3, 0, 0, 0]
+    assert [int(local_kv_lens(3, r, 4, 16)) for r in range(4)] == [3, 0, 0, 0]
     # S just past one chunk: ranks 2, 3 still own nothing.
-    assert [local_kv_len(17, r, 4, 16) for r in range(4)] == [16, 1, 0, 0]
-    assert [local_kv_len(0, r, 4, 16) for r in range(4)] == [0, 0, 0, 0]
-    assert local_kv_len_upper_bound(0, 4, 16) == 0
+    assert [int(local_kv_lens(17, r, 4, 16)) for r in range(4)] == [16, 1, 0, 0]
+    assert [int(local_kv_lens(0, r, 4, 16)) for r in range(4)] == [0, 0, 0, 0]
+    # A worked example of the rule: position 37 at KVP 4, chunk 8 is rank 0's local index 13;
+    # position 41 is rank 1's local index 9.
+    pos = torch.tensor([37, 41])
+    assert localize_dcp_indices(pos, 4, 0, interleave_size=8).tolist() == [13, -1]
+    assert localize_dcp_indices(pos, 4, 1, interleave_size=8).tolist() == [-1, 9]
+    assert global_position(torch.tensor([13]), 0, 4, 8).tolist() == [37]
+    assert global_position(torch.tensor(9), 1, 4, 8).item() == 41
 
 
 @pytest.mark.parametrize("kvp,chunk", [(1, 4), (2, 1), (3, 2), (4, 3), (8, 16)])
-def test_extend_ownership_flat_batch(kvp, chunk):
-    """A flat batch of extend segments [prefix_len, seq_len) with their global positions."""
+def test_extend_segments_and_start(kvp, chunk):
+    """Extend segments ``[prefix_len, seq_len)``: ``local_kv_lens(..., start=)`` /
+    ``get_dcp_lens(start=)`` count the owned new tokens, and they land in the rank's local KV
+    right after its prefix (``localize_dcp_indices`` of the segment's positions)."""
     g = torch.Generator().manual_seed(kvp * 100 + chunk)
     segments = [(0, 0), (0, 1), (5, 5), (0, 3 * kvp * chunk), (7, 50), (kvp * chunk, 2 * kvp * chunk + 1)]
     segments += [tuple(sorted(torch.randint(0, 120, (2,), generator=g).tolist())) for _ in range(6)]
-    positions = torch.cat([torch.arange(a, b) for a, b in segments])  # [T]
+    starts = torch.tensor([a for a, _ in segments])
+    spans = torch.tensor([b - a for a, b in segments])
     for rank in range(kvp):
-        mask, local = extend_ownership(positions, rank, kvp, chunk)
-        assert mask.dtype == torch.bool and mask.shape == positions.shape
-        assert torch.equal(mask, owned_mask(positions, rank, kvp, chunk))
-        offset = 0
-        for a, b in segments:
-            seg_mask, seg_local = mask[offset : offset + b - a], local[offset : offset + b - a]
-            offset += b - a
-            owned = [p for p in ref_owned(b, rank, kvp, chunk) if p >= a]
-            assert torch.arange(a, b)[seg_mask].tolist() == owned
-            # New tokens land right after the rank's existing local KV, in order.
-            start = local_kv_len(a, rank, kvp, chunk)
-            assert seg_local[seg_mask].tolist() == list(range(start, start + len(owned)))
-            assert owned_count(a, b, rank, kvp, chunk) == len(owned)
-        # owned_count vectorized over [B] segments.
-        starts = torch.tensor([a for a, _ in segments])
-        ends = torch.tensor([b for _, b in segments])
-        counts = owned_count(starts, ends, rank, kvp, chunk)
-        assert counts.sum().item() == int(mask.sum())
+        counts = local_kv_lens(spans, rank, kvp, chunk, start=starts)
+        assert counts.dtype == torch.int64
+        assert torch.equal(get_dcp_lens(spans, kvp, rank, start=starts, interleave_size=chunk), counts)
+        assert torch.equal(local_kv_lens(spans.tolist(), rank, kvp, chunk, start=starts.tolist()), counts)
+        for (a, b), n in zip(segments, counts.tolist()):
+            owned = ref_owned(b, rank, kvp, chunk, start=a)
+            assert n == len(owned), (a, b, rank)
+            local = localize_dcp_indices(torch.arange(a, b), kvp, rank, interleave_size=chunk)
+            assert torch.arange(a, b)[local >= 0].tolist() == owned
+            first = int(local_kv_lens(a, rank, kvp, chunk))
+            assert local[local >= 0].tolist() == list(range(first, first + n))
 
 
-def test_python_ints_in_python_ints_out():
-    assert owner_rank(37, 4, 8) == 0 and owner_rank(40, 4, 8) == 1
-    assert local_position(37, 4, 8) == 13 and local_position(41, 4, 8) == 9
-    assert global_position(9, 1, 4, 8) == 41
-    assert owned_mask(41, 1, 4, 8) is True
-    assert isinstance(local_kv_len(100, 2, 4, 8), int)
+def _allocator_locs(positions: torch.Tensor, kvp: int, chunk: int, seed: int) -> torch.Tensor:
+    """Logical KV ids as Helix's allocator hands them out: pages of ``P = chunk * KVP`` ids,
+    ``loc % P == p % P``, page 0 reserved (the trash page)."""
+    P = chunk * kvp
+    g = torch.Generator().manual_seed(seed)
+    pages = 1 + torch.randperm(64, generator=g)[: int(positions.max()) // P + 1]
+    return pages[positions // P] * P + positions % P
 
 
-def test_layout_arguments_fail_fast():
-    with pytest.raises(ValueError, match="kvp_size"):
-        owner_rank(3, 0, 4)
-    with pytest.raises(ValueError, match="chunk"):
-        local_kv_len(3, 0, 2, 0)
-    with pytest.raises(TypeError, match="chunk"):
-        local_position(3, 2, torch.tensor(4))
-    with pytest.raises(ValueError, match="kvp_rank"):
-        local_kv_len(3, 2, 2, 4)
+@pytest.mark.parametrize("kvp,chunk", LAYOUTS)
+def test_write_rows_match_reference(kvp, chunk):
+    """``write_rows``: the physical row of each new token on the rank that owns its position, the
+    trash row on every other rank; a real token never writes the trash row."""
+    positions = torch.cat([torch.arange(0, 3 * kvp * chunk + 2), torch.arange(5, 9)])  # [T]
+    locs = _allocator_locs(positions, kvp, chunk, seed=kvp * 31 + chunk)
+    before = locs.clone()
+    owners = torch.zeros_like(positions)
+    for rank in range(kvp):
+        for dtype in (torch.int64, torch.int32):
+            rows = write_rows(locs.to(dtype), rank, kvp, chunk)
+            assert rows.dtype == torch.int64 and rows.shape == locs.shape
+            want = [
+                ref_local(loc, kvp, chunk) if ref_owner(p, kvp, chunk) == rank else TRASH_ROW
+                for p, loc in zip(positions.tolist(), locs.tolist())
+            ]
+            assert rows.tolist() == want, (rank, kvp, chunk)
+        owned = torch.tensor([ref_owner(p, kvp, chunk) == rank for p in positions.tolist()])
+        assert (rows[owned] != TRASH_ROW).all()  # page 0 is the only page with trash rows
+        assert torch.equal(rows[owned], localize_dcp_indices(locs[owned], kvp, rank, interleave_size=chunk))
+        assert (localize_dcp_indices(locs[~owned], kvp, rank, interleave_size=chunk) == -1).all()
+        owners[owned] += 1
+    assert (owners == 1).all()  # each new token is written on exactly one rank
+    assert torch.equal(locs, before)  # the batch's out_cache_loc is left as it was
+
+
+@pytest.mark.parametrize("kvp,chunk", [(1, 4), (2, 1), (3, 2), (4, 3), (8, 16)])
+def test_local_kv_indices_positions(kvp, chunk):
+    """``local_kv_indices``' third value: the global position of each listed row (what
+    ``owned_positions`` used to give), here against the brute-force owned positions."""
+    lens = torch.tensor([0, 1, chunk + 1, 2 * kvp * chunk + 3, 57])
+    starts = torch.tensor([0, 0, 1, kvp * chunk - 1, 20])
+    max_len = int(lens.max())
+    req_to_token = torch.stack(
+        [_allocator_locs(torch.arange(max_len), kvp, chunk, seed=s) for s in range(len(lens))]
+    ).to(torch.int32)
+    slots = torch.tensor([3, 1, 4, 0, 2])
+    req_to_token = req_to_token[torch.argsort(slots)]  # slot s holds request slots.tolist().index(s)
+    for kv_starts in (None, starts):
+        for rank in range(kvp):
+            lo = torch.zeros_like(lens) if kv_starts is None else kv_starts
+            total = kv_layout.total_local_len(lens - lo, rank, kvp, chunk, lo)
+            indptr, rows, pos = kv_layout.local_kv_indices(
+                req_to_token, slots, lens, total, rank, kvp, chunk, kv_starts=kv_starts
+            )
+            want_pos, want_rows = [], []
+            for b in range(len(lens)):
+                owned = ref_owned(int(lens[b]), rank, kvp, chunk, start=int(lo[b]))
+                assert int(indptr[b + 1] - indptr[b]) == len(owned)
+                want_pos += owned
+                want_rows += [ref_local(int(req_to_token[slots[b], p]), kvp, chunk) for p in owned]
+            assert pos.tolist() == want_pos and rows.tolist() == want_rows, (rank, kv_starts)
+
+
+def test_interleave_below_one_is_refused():
+    for fn in (lambda: local_kv_lens(3, 0, 2, 0), lambda: write_rows(torch.tensor([3]), 0, 2, 0)):
+        with pytest.raises(ValueError, match="interleave_size"):
+            fn()
