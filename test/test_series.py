@@ -164,6 +164,9 @@ def test_workspace_export_round_trip_is_lossless(tmp_path, repo_copy, wheel):
 
 
 def test_upstream_branch(tmp_path, repo_copy, wheel):
+    # Every new module of a real series enters with a patch that uses it; the fixture's extra one
+    # has none (test_every_new_module_has_an_introducing_patch checks that it would be refused).
+    (repo_copy.repo / "python/sglang/srt/helix_series_test_module.py").unlink()
     checkout = make_pristine(tmp_path / "sglang", wheel)
     upstream_branch(repo_copy, checkout, "helix")
     assert _git("rev-parse", "--abbrev-ref", "HEAD", cwd=checkout) == "helix"
@@ -178,6 +181,12 @@ def test_upstream_branch(tmp_path, repo_copy, wheel):
     ws = make_workspace(repo_copy, tmp_path / "ws", wheel)
     for rel in repo_copy.touched_files():
         assert (checkout / "python" / rel).read_bytes() == (ws / "python" / rel).read_bytes()
+
+
+def test_every_new_module_has_an_introducing_patch(tmp_path, repo_copy, wheel):
+    checkout = make_pristine(tmp_path / "sglang", wheel)
+    with pytest.raises(SeriesError, match="helix_series_test_module.py"):
+        upstream_branch(repo_copy, checkout, "helix")
 
 
 # --------------------------------------------------------------------------------------------

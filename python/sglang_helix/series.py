@@ -443,6 +443,9 @@ PREFIX_TESTS = {
     "[CPU] DCP a2a LSE reduce: torch pack and combine where Triton does not run": [
         "test/test_dcp_extensions.py", "-k", "torch",
     ],
+    "[CPU] Speculative verify: the QLEN_ONLY tree mask only for intel_amx": [
+        "test/test_spec_baseline_e2e.py", "-k", "tree_mask_mode",
+    ],
     "[Distributed] Do not create a PyNccl communicator for gloo groups": ["test/test_helix_groups.py"],
     "[Kernel] Triton decode stage 2: optional merged-LSE output": [
         "test/test_decode_lse_kernel.py", "-k", "bit_identical_to_pristine or shard_partials_merge_to_full_attention",
@@ -459,12 +462,12 @@ PREFIX_TESTS = {
         "or kvp1_resolves",
     ],
     "[Helix] Process groups: the KVP group inside each TP group": ["test/test_helix_groups.py"],
-    "[Helix] KV cache: K/TPA heads per row, allocator ids widened by KVP": ["test/test_helix_kv_layout.py"],
+    "[Helix] KV cache: K/TPA heads per row, allocator ids widened by KVP": ["test/test_helix_kv_cache.py"],
     "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
-        "test/test_helix_decode_graph.py",
+        "test/test_helix_kv_layout.py", "test/test_helix_memory.py",
     ],
     "[Helix] linear: helix_attention_tp(), how an attention layer shards its heads": [
-        "test/test_helix_import.py",
+        "test/test_helix_import.py", "test/test_helix_decode_graph.py",
     ],
     "[Helix] Llama, Mistral: qkv_proj over TPA, Helix attention before o_proj": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
