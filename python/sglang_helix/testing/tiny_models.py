@@ -201,6 +201,66 @@ def write_tiny_model(path: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
     return path
 
 
+def write_tiny_eagle_draft(path: str, target: TinyModelSpec = TinyModelSpec(), seed: int = 1) -> str:
+    """Write a tiny random EAGLE (v1) draft head for ``target`` (a Llama-family spec), as
+    ``--speculative-algorithm EAGLE --speculative-draft-model-path path`` loads it with sglang's
+    ``LlamaForCausalLMEagle`` (``srt/models/llama_eagle.py``):
+
+    - ``config.json``: the target's Llama config with one decoder layer and
+      ``architectures: ["LlamaForCausalLMEagle"]``;
+    - ``model.safetensors``: the EAGLE checkpoint layout, names without the ``model.`` prefix:
+      ``embed_tokens``, ``fc`` (``[hidden, 2 * hidden]`` + bias: the token embedding concatenated
+      with the target's hidden state), ``layers.0.*`` without ``input_layernorm`` (EAGLE skips
+      it), no final ``norm``, and ``lm_head``. The server replaces ``embed_tokens`` and
+      ``lm_head`` by the target's (EAGLE shares them), so only ``fc`` and the layer matter;
+    - the target's tokenizer files.
+
+    The weights are random (fixed ``seed``), so the draft's proposals are mostly rejected: the
+    point is that whatever it proposes, the served tokens are the target's.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    assert target.arch == "llama", "the EAGLE head in sglang is LlamaForCausalLMEagle"
+    stamp = os.path.join(path, "tiny_model_spec.json")
+    want = {"eagle_draft_for": asdict(target), "seed": seed}
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == want:
+                return path
+    os.makedirs(path, exist_ok=True)
+    write_tokenizer(path, target.vocab_size)
+    config = _config(target)
+    config.num_hidden_layers = 1
+    config.architectures = ["LlamaForCausalLMEagle"]
+    torch.manual_seed(seed)
+    layer_model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    hidden = target.hidden_size
+    tensors = {}
+    with torch.no_grad():
+        for name, p in layer_model.named_parameters():
+            name = name.removeprefix("model.")
+            if name in ("norm.weight", "layers.0.input_layernorm.weight"):
+                continue  # not in an EAGLE head
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "q_proj" in name or "k_proj" in name:
+                p.normal_(0.0, target.attn_scale / hidden**0.5)
+            elif name == "lm_head.weight":
+                p.normal_(0.0, target.logit_scale * 4.0 / hidden**0.5)
+            else:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+            tensors[name] = p.detach().clone().contiguous()
+        tensors["fc.weight"] = torch.randn(hidden, 2 * hidden) / (2 * hidden) ** 0.5
+        tensors["fc.bias"] = torch.zeros(hidden)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config.to_json_file(os.path.join(path, "config.json"))
+    with open(stamp, "w") as f:
+        json.dump(want, f)
+    return path
+
+
 def main() -> None:
     import argparse
 
