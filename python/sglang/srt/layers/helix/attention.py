@@ -61,8 +61,10 @@ class HelixForwardMetadata:
     kv_indices: torch.Tensor  # [L]
     total_local: int
     kv_positions: torch.Tensor  # [L] global positions of the listed keys (causal masks)
-    # torch_native: kv_indptr on the host
+    # torch_native: kv_indptr on the host, and per request the first row of its list when the list
+    # is one ascending run of rows (r0, r0 + 1, ...), else None: then the layers read a view, no gather
     kv_indptr_host: Optional[list] = None
+    kv_run_starts: Optional[list] = None
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
 
@@ -228,6 +230,7 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     if meta.kv_indptr_host is None:  # once per batch (CPU path: host values are free here)
         meta.kv_indptr_host = meta.kv_indptr.tolist()
+        meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
     key_pos, indptr = meta.kv_positions, meta.kv_indptr_host
     decode = forward_batch.forward_mode.is_decode()
     q_lens = [1] * (len(indptr) - 1) if decode else forward_batch.extend_seq_lens_cpu
@@ -238,6 +241,9 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         if hi == lo:
             continue  # this rank owns none of the request's tokens: neutral partial
         rows = meta.kv_indices[lo:hi]
+        run = meta.kv_run_starts[b]
+        if run is not None:  # the same rows in the same order: a view, no copy
+            rows = slice(run, run + hi - lo)
         kb = _read_rows(k_buf, rows, k_descale)  # [L, K/TPA, D] fp32
         vb = _read_rows(v_buf, rows, v_descale)  # [L, K/TPA, Dv] fp32
         block = max(1, _SCORE_ELEMS // (H * (hi - lo)))
@@ -259,11 +265,27 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
     return out, lse
 
 
-def _read_rows(buf: torch.Tensor, rows: torch.Tensor, descale: float) -> torch.Tensor:
+def _read_rows(buf: torch.Tensor, rows, descale: float) -> torch.Tensor:
     """``buf[rows]`` in fp32, dequantized: one gather (plus one conversion for a non-fp32 pool),
-    no multiply when the scale is 1."""
+    no multiply when the scale is 1. ``rows`` a slice: a view of an fp32 pool, nothing copied."""
     out = buf[rows].float()
-    return out if descale == 1.0 else out.mul_(descale)
+    if descale == 1.0:
+        return out
+    return out * descale if isinstance(rows, slice) else out.mul_(descale)  # never scale the pool in place
+
+
+def _run_starts(kv_indices: torch.Tensor, indptr: list) -> list:
+    """Per request ``b``: ``r0`` when ``kv_indices[indptr[b]:indptr[b+1]]`` is exactly
+    ``r0, r0 + 1, ...`` (a fresh request's pages are usually consecutive), else None. One
+    comparison over the batch's lists, once per forward batch, instead of two gathers per layer."""
+    out = []
+    for b in range(len(indptr) - 1):
+        lo, hi = indptr[b], indptr[b + 1]
+        rows = kv_indices[lo:hi]
+        r0 = int(rows[0]) if hi > lo else 0
+        ok = hi > lo and int(rows[-1]) - r0 == hi - lo - 1 and bool((rows[1:] - rows[:-1] == 1).all())
+        out.append(r0 if ok else None)
+    return out
 
 
 def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, float]]:
