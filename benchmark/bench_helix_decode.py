@@ -48,6 +48,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
@@ -72,6 +73,7 @@ class Layout:
     capacity: int  # global tokens the scheduler admits (max_total_num_tokens)
     model_path: str
     config: dict | None  # the model's config.json when the path is local
+    chunked_prefill: int | None = None  # the server's --chunked-prefill-size
 
     @property
     def name(self) -> str:
@@ -91,11 +93,15 @@ def read_layout(base_url: str, default_chunk: int = 64) -> Layout:
     if os.path.isfile(cfg_path):
         with open(cfg_path) as f:
             config = json.load(f)
-    return Layout(base_url, tp, kvp, tp // kvp, chunk, int(capacity), model_path, config)
+    chunked = info.get("chunked_prefill_size")
+    return Layout(base_url, tp, kvp, tp // kvp, chunk, int(capacity), model_path, config, chunked)
 
 
-def stream_generate(base_url: str, input_ids: list[int], new_tokens: int) -> tuple[float, list[tuple[float, int]]]:
-    """One streaming /generate request: (send time, [(arrival time, completion tokens so far)])."""
+def stream_generate(
+    base_url: str, input_ids: list[int], new_tokens: int, on_mark=None
+) -> tuple[float, list[tuple[float, int]]]:
+    """One streaming /generate request: (send time, [(arrival time, completion tokens so far)]).
+    ``on_mark(marks)`` is called after every arrival (the profiler starts from it)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
@@ -112,7 +118,11 @@ def stream_generate(base_url: str, input_ids: list[int], new_tokens: int) -> tup
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             msg = json.loads(line[len("data:"):])
+            if "meta_info" not in msg:
+                raise RuntimeError(f"{base_url}/generate: {msg}")
             marks.append((time.perf_counter(), int(msg["meta_info"]["completion_tokens"])))
+            if on_mark is not None:
+                on_mark(marks)
     return t0, marks
 
 
@@ -130,6 +140,12 @@ class Row:
     kv_read_mib: float | None  # one rank, one decode step, the whole batch, all layers
     a2a_kib_layer: float | None  # bytes one rank hands to the All-to-All per layer and step (KiB)
     capacity: int
+    # the model's shape and the server's prefill chunk (None in rows saved before 2026-11-25)
+    head_dim: int | None = None
+    hidden: int | None = None
+    ffn: int | None = None
+    chunked_prefill: int | None = None
+    tpot_profiled_ms: float | None = None  # the step while py-spy samples every rank (--profile)
 
 
 def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
@@ -150,25 +166,38 @@ def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
     return heads, tokens, mib
 
 
-def measure(layout: Layout, context: int, batch: int, new_tokens: int, dtype_bytes: int, seed: int) -> Row:
+def measure(layout: Layout, context: int, batch: int, new_tokens: int, dtype_bytes: int, seed: int, profiler=None) -> Row:
+    """``profiler`` (``RankProfiler``, --profile): each request decodes ``profiler.tokens`` more
+    tokens after the ``new_tokens`` that are timed, and every rank is sampled over those."""
     rng = random.Random(seed)
     vocab = (layout.config or {}).get("vocab_size", 1000)
     prompts = [[rng.randrange(10, vocab) for _ in range(context)] for _ in range(batch)]
+    extra = profiler.tokens if profiler else 0
+    on_mark = profiler.on_mark(new_tokens, f"{layout.name}-S{context}-B{batch}") if profiler else None
     with cf.ThreadPoolExecutor(batch) as pool:
-        results = list(pool.map(lambda ids: stream_generate(layout.base_url, ids, new_tokens), prompts))
-    ttft, tpot = [], []
+        results = list(pool.map(lambda ids: stream_generate(layout.base_url, ids, new_tokens + extra, on_mark), prompts))
+    if profiler:
+        profiler.stop()
+    ttft, tpot, tpot_prof = [], [], []
     for t0, marks in results:
-        (t_first, n_first), (t_last, n_last) = marks[0], marks[-1]
+        (t_first, n_first) = marks[0]
+        timed = [m for m in marks if m[1] <= n_first + new_tokens]
+        (t_last, n_last) = timed[-1]
         ttft.append(t_first - t0)
         if n_last > n_first:
             tpot.append((t_last - t_first) / (n_last - n_first))
+        if extra and marks[-1][1] > n_last:
+            tpot_prof.append((marks[-1][0] - t_last) / (marks[-1][1] - n_last))
     tpot_s = statistics.median(tpot) if tpot else float("nan")
     heads, tokens, mib = kv_footprint(layout, context, dtype_bytes)
     cfg = layout.config or {}
+    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // cfg["num_attention_heads"] if cfg else None)
     return Row(
         layout.name, cfg.get("num_key_value_heads"), context, batch, round(statistics.median(ttft), 4),
         round(tpot_s * 1e3, 3), round(batch / tpot_s, 2), heads, tokens,
         None if mib is None else round(batch * mib, 3), a2a_kib(layout, batch, dtype_bytes), layout.capacity,
+        head_dim, cfg.get("hidden_size"), cfg.get("intermediate_size"), layout.chunked_prefill,
+        round(statistics.median(tpot_prof) * 1e3, 3) if tpot_prof else None,
     )  # fmt: skip
 
 
@@ -202,13 +231,13 @@ def cases(args) -> list[tuple[int, int]]:
     return [(c, b) for c in args.context for b in args.batch if b == 1 or c <= args.batch_max_context]
 
 
-def bench_server(base_url: str, args, progress: Progress) -> list[Row]:
+def bench_server(base_url: str, args, progress: Progress, profiler=None) -> list[Row]:
     layout = read_layout(base_url, args.chunk)
     print(f"# {layout.name} at {base_url}: tpa {layout.tpa}, capacity {layout.capacity} tokens", file=sys.stderr)
     stream_generate(base_url, [11, 12, 13, 14], 4)  # warm-up
     rows = []
     for context, batch in cases(args):
-        row = measure(layout, context, batch, args.new_tokens, args.dtype_bytes, args.seed)
+        row = measure(layout, context, batch, args.new_tokens, args.dtype_bytes, args.seed, profiler)
         progress.step(f"{layout.name} K={row.kv_heads} S={context} B={batch}: ttft {row.ttft_s}s, tpot {row.tpot_ms}ms")
         rows.append(row)
     return rows
@@ -234,8 +263,9 @@ def bench_cpu(args) -> list[Row]:
     from sglang_helix.testing.server import CpuServer
     from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
 
-    max_context = max(args.context) + args.new_tokens + 16
-    need = max(b * (c + args.new_tokens + 16) for c, b in cases(args))
+    new_tokens = args.new_tokens + (args.profile_tokens if args.profile else 0)
+    max_context = max(args.context) + new_tokens + 16
+    need = max(b * (c + new_tokens + 16) for c, b in cases(args))
     launches = cpu_layouts(args)
     progress = Progress(len(launches) * len(cases(args)))
     rows = []
@@ -254,8 +284,122 @@ def bench_cpu(args) -> list[Row]:
         flags += ["--chunked-prefill-size", str(chunk_tokens), "--max-prefill-tokens", str(chunk_tokens)]
         flags += ["--watchdog-timeout", "3600"]  # a 32K-token prefill forward takes minutes on 2 cores
         with CpuServer(model, flags, attention_backend=args.attention_backend, log_dir=args.work_dir) as srv:
-            rows += bench_server(srv.base_url, args, progress)
+            profiler = RankProfiler(srv.proc.pid, args) if args.profile else None
+            rows += bench_server(srv.base_url, args, progress, profiler)
     return rows
+
+
+# -- per-rank profiles (--profile) ----------------------------------------------------------------
+
+# Where a sampled stack of a scheduler's main thread spends its time, first match wins (a frame's
+# function name, as py-spy writes it). Collectives first: a wait inside the MLP's all-reduce is a wait.
+PROFILE_BUCKETS = (
+    ("scheduler broadcast (waiting for rank 0 / the others)", ("broadcast_pyobj", "recv_requests")),
+    ("helix All-to-All + merge", ("dcp_a2a_lse_reduce", "dcp_lse_combine", "all_to_all")),
+    ("all-reduce (o_proj / MLP / embedding)", ("all_reduce", "tensor_model_parallel_all_reduce")),
+    ("all-gather (logits)", ("all_gather", "tensor_model_parallel_all_gather")),
+    ("helix metadata (lists, write rows)", ("HelixForwardMetadata.build", "local_kv_indices", "write_rows", "prepare_eager")),
+    ("helix KV gather (_read_rows)", ("_read_rows",)),
+    ("helix partial (einsum, softmax)", ("_torch_partial",)),
+    ("helix KV write + other", ("helix_attention",)),
+    ("plain TP attention (SDPA decode)", ("forward_decode", "_run_sdpa_forward_decode")),
+    ("MLP GEMMs", ("LlamaMLP.forward", "SiluAndMul")),
+    ("qkv / o projections, norms, RoPE", ("LlamaAttention.forward", "LlamaDecoderLayer.forward", "RMSNorm")),
+    ("lm_head, logits, sampling", ("LogitsProcessor", "Sampler", "sample")),
+    ("model forward other", ("forward_batch_generation", "ModelRunner.forward")),
+    ("scheduler other (batching, output, idle loop)", ("",)),
+)
+
+
+def _stack_bucket(stack: str) -> str:
+    frames = stack.split(";")
+    for name, keys in PROFILE_BUCKETS:
+        for key in keys:
+            if not key:
+                return name
+            for f in frames:
+                func = f.split(" (", 1)[0]  # py-spy: "Class.method (file.py:line)"
+                if func.endswith(key) if "." in key else key in func.split("."):
+                    return name
+    return PROFILE_BUCKETS[-1][0]
+
+
+def summarize_profile(path: str) -> dict:
+    """``{bucket: fraction}`` of the main thread's samples (stacks through the scheduler's event
+    loop) in one py-spy raw (folded) file, recorded with ``--idle``: wall time, waits included."""
+    counts, total = {}, 0
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if "event_loop" not in stack or not n.isdigit():
+                continue
+            b = _stack_bucket(stack)
+            counts[b] = counts.get(b, 0) + int(n)
+            total += int(n)
+    return {"samples": total, **{b: round(c / total, 4) for b, c in sorted(counts.items(), key=lambda x: -x[1])}} if total else {"samples": 0}
+
+
+class RankProfiler:
+    """py-spy on every scheduler rank of one CPU server over a decode window (--profile).
+
+    ``on_mark`` starts one ``py-spy record --idle --nonblocking`` per rank once a request has
+    decoded the timed tokens; ``stop`` ends them with SIGINT (py-spy writes its file then) when
+    the request is done, and writes ``<name>-summary.json``: per rank, the share of wall time per
+    ``PROFILE_BUCKETS`` entry. Sampling perturbs the step (the row's ``tpot_profiled_ms``).
+    """
+
+    def __init__(self, launcher_pid: int, args):
+        self.launcher_pid, self.dir, self.tokens, self.rate = launcher_pid, args.profile, args.profile_tokens, args.profile_rate
+        self.spy = args.py_spy
+        self.procs, self.name = [], None
+        os.makedirs(self.dir, exist_ok=True)
+
+    def ranks(self) -> dict:
+        import psutil
+
+        out = {}
+        for p in psutil.Process(self.launcher_pid).children(recursive=True):
+            cmd = " ".join(p.cmdline())
+            if "scheduler_TP" in cmd:
+                out[cmd.split("scheduler_TP")[1].split()[0].split("_")[0]] = p.pid
+        return out
+
+    def on_mark(self, timed_tokens: int, name: str):
+        import threading
+
+        lock = threading.Lock()
+
+        def hook(marks):
+            with lock:
+                if self.procs or marks[-1][1] < marks[0][1] + timed_tokens:
+                    return
+                self.name = name
+                for rank, pid in sorted(self.ranks().items()):
+                    out = os.path.join(self.dir, f"{name}-rank{rank}.txt")
+                    cmd = [self.spy, "record", "--pid", str(pid), "--rate", str(self.rate), "--format", "raw",
+                           "--idle", "--nonblocking", "--output", out]  # fmt: skip
+                    self.procs.append((rank, out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+
+        return hook
+
+    def stop(self) -> None:
+        import signal
+
+        for _, _, p in self.procs:
+            p.send_signal(signal.SIGINT)
+        summary = {}
+        for rank, out, p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            if os.path.exists(out):
+                summary[f"rank{rank}"] = summarize_profile(out)
+        if self.procs:
+            with open(os.path.join(self.dir, f"{self.name}-summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            print(f"# profile {self.name}: " + json.dumps(summary), file=sys.stderr)
+        self.procs = []
 
 
 # -- what the KV bytes predict -------------------------------------------------------------------
@@ -358,6 +502,10 @@ def main() -> int:
     cpu.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the largest batch of prompts in one chunk")
     cpu.add_argument("--attention-backend", default="torch_native", choices=["torch_native", "triton"])
     cpu.add_argument("--max-total-tokens", type=int, default=65536, help="at least; raised to fit the largest batch")
+    cpu.add_argument("--profile", help="py-spy every scheduler rank over --profile-tokens extra decode steps of each request; files and a per-rank summary here")
+    cpu.add_argument("--profile-tokens", type=int, default=24)
+    cpu.add_argument("--profile-rate", type=int, default=50, help="py-spy samples per second")
+    cpu.add_argument("--py-spy", default=os.path.join(os.path.dirname(sys.executable), "py-spy"))
     cpu.add_argument("--work-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "bench"))
     args = p.parse_args()
     if args.dtype_bytes is None:

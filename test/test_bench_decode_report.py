@@ -74,3 +74,19 @@ def test_from_json_reports_saved_rows(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| tp4-kvp4 | 1 | 4096 |" in out and "predicted" in out
     assert png.exists() and (tmp_path / "r-model.csv").exists()
+
+
+def test_profile_buckets_put_waits_before_compute(tmp_path):
+    loop = "proc;Scheduler.event_loop_overlap (scheduler.py:1)"
+    raw = tmp_path / "rank0.txt"
+    raw.write_text("\n".join([
+        f"{loop};LlamaMLP.forward (llama.py:1);GroupCoordinator.all_reduce (parallel_state.py:2) 6",
+        f"{loop};helix_attention (attention.py:1);_torch_partial (attention.py:2);einsum (functional.py:3) 2",
+        f"{loop};Scheduler.recv_requests (scheduler.py:3);broadcast_pyobj (common.py:4) 2",
+        "proc;Thread._bootstrap (threading.py:1);WatchdogRaw._watchdog_thread (watchdog.py:2) 90",
+    ]) + "\n")  # fmt: skip
+    s = bench.summarize_profile(str(raw))
+    assert s["samples"] == 10  # the main thread only
+    assert s["all-reduce (o_proj / MLP / embedding)"] == 0.6
+    assert s["helix partial (einsum, softmax)"] == 0.2
+    assert s["scheduler broadcast (waiting for rank 0 / the others)"] == 0.2
