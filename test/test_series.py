@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FULL
+
 from sglang_helix import PINNED_SGLANG_VERSION
 from sglang_helix.series import (
     Installed,
@@ -204,12 +206,17 @@ def test_prefix_tests_name_real_patches():
     ]
 
 
-def test_every_prefix(tmp_path):
+# The default run checks that every prefix applies, imports and gates the flag (~5 min on 2 cores);
+# with each patch's own tests at its prefix (PREFIX_TESTS) it takes ~10-16 min, so that runs in the
+# full tier (HELIX_TEST_FULL=1) and with `python -m sglang_helix.series prefixes`. Those tests all
+# run on the whole series in the default run.
+@pytest.mark.parametrize("run_tests", [False, pytest.param(True, marks=FULL)], ids=["imports", "with-tests"])
+def test_every_prefix(tmp_path, run_tests):
     """``series prefixes``: each prefix applies with git am, imports, runs its patch's tests, and
     the flag is refused before the Llama patch and accepted from it on (it raises otherwise)."""
     from sglang_helix.series import check_prefixes
 
-    lines = check_prefixes(Series(), tmp_path)
+    lines = check_prefixes(Series(), tmp_path, run_tests=run_tests)
     flags = [line.split("flag ")[1].split(";")[0] for line in lines]
     first = next(i for i, p in enumerate(Series().patches) if "sglang/srt/models/llama.py" in Series.touched_files_of(p))
     assert flags == ["refused"] * first + ["accepted"] * (len(lines) - first)

@@ -599,7 +599,7 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
             if r.returncode != 0:
                 raise SeriesError(f"prefix {i} ({patch.name}): tests failed: {' '.join(tests)}\n{r.stdout[-5000:]}")
         else:
-            summary = "no tests of its own"
+            summary = "its tests not run" if tests else "no tests of its own"
         line = f"{i:2d} {subject}: applies, imports {len(modules)} modules, flag {'accepted' if accepted else 'refused'}; {summary}"
         log(line)
         report.append(line)
