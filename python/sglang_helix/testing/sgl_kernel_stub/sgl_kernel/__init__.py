@@ -120,9 +120,9 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
         buf[tgt] = buf[src]  # buf[src] is a gathered copy: every source read before any write
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
-    """``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`` = request i's run of
-    ``out_cache_loc`` (the runs laid end to end)."""
+def _request_runs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """The two cache-loc ops' shared checks, and per element of the runs laid end to end: its
+    request (``seg``), that request's ``req_to_token`` row and the column."""
     import torch
 
     _index_dtype(req_pool_indices, start_offset)
@@ -132,6 +132,15 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     _require(req_to_token.shape[1] == pool_len, "pool_len is req_to_token's row length")
     seg, col = _segments(start_offset, end_offset)
     rows = req_pool_indices.to(torch.int64)[seg]
+    return seg, rows, col
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`` = request i's run of
+    ``out_cache_loc`` (the runs laid end to end)."""
+    import torch
+
+    seg, rows, col = _request_runs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len)
     req_to_token[rows, col] = out_cache_loc[: seg.numel()].to(torch.int32)
 
 
@@ -140,13 +149,7 @@ def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, e
     end into ``out_cache_loc`` (int64)."""
     import torch
 
-    _index_dtype(req_pool_indices, start_offset)
-    _require(req_to_token.dtype == torch.int32, "req_to_token must be int32")
-    _require(out_cache_loc.dtype == torch.int64, "out_cache_loc must be int64")
-    _require(end_offset.dtype == start_offset.dtype, "start/end offsets must have one dtype")
-    _require(req_to_token.shape[1] == pool_len, "pool_len is req_to_token's row length")
-    seg, col = _segments(start_offset, end_offset)
-    rows = req_pool_indices.to(torch.int64)[seg]
+    seg, rows, col = _request_runs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len)
     out_cache_loc[: seg.numel()] = req_to_token[rows, col].to(torch.int64)
 
 
