@@ -33,7 +33,12 @@ next to what the layout implies per rank and decode step, from the model's confi
     a2a_KiB_layer   bytes one rank hands to the layer's All-to-All per step, B * (Q/TPA) * (D * bytes + 4)
     capacity        the global token capacity the server reports (max_total_num_tokens)
 
-Then, per model and batch, what the KV bytes predict: plain TP's TPOT at the same context minus
+With --spec-steps 0,3 each layout also runs with speculative decoding (STANDALONE, the target as
+its own draft, a chain of 3): its rows are named ``<layout>+standalone-3`` and carry the accept
+length (tokens per verify, from the ``meta_info`` counters); tpot_ms is then the time per output
+token, verify steps and draft steps together.
+
+Then, per model and batch (rows without speculation), what the KV bytes predict: plain TP's TPOT at the same context minus
 the KV bytes Helix does not read, priced at plain TP's marginal cost per MiB (between its two
 largest contexts), and the plain/Helix TPOT ratio measured against the predicted one. Progress
 goes to stderr; --json, --csv and --png (TPOT vs context, log axes) write the results. Nothing here runs in CI; the targets and results are in
@@ -74,10 +79,12 @@ class Layout:
     model_path: str
     config: dict | None  # the model's config.json when the path is local
     chunked_prefill: int | None = None  # the server's --chunked-prefill-size
+    spec: str | None = None  # speculative decoding: "<algorithm>-<steps>" (e.g. standalone-3)
 
     @property
     def name(self) -> str:
-        return f"tp{self.tp}" if self.kvp == 1 else f"tp{self.tp}-kvp{self.kvp}"
+        base = f"tp{self.tp}" if self.kvp == 1 else f"tp{self.tp}-kvp{self.kvp}"
+        return base if self.spec is None else f"{base}+{self.spec}"
 
 
 def read_layout(base_url: str, default_chunk: int = 64) -> Layout:
@@ -94,14 +101,17 @@ def read_layout(base_url: str, default_chunk: int = 64) -> Layout:
         with open(cfg_path) as f:
             config = json.load(f)
     chunked = info.get("chunked_prefill_size")
-    return Layout(base_url, tp, kvp, tp // kvp, chunk, int(capacity), model_path, config, chunked)
+    algorithm = info.get("speculative_algorithm")
+    spec = f"{str(algorithm).lower()}-{info.get('speculative_num_steps')}" if algorithm else None
+    return Layout(base_url, tp, kvp, tp // kvp, chunk, int(capacity), model_path, config, chunked, spec)
 
 
 def stream_generate(
-    base_url: str, input_ids: list[int], new_tokens: int, on_mark=None
+    base_url: str, input_ids: list[int], new_tokens: int, on_mark=None, last_meta=None
 ) -> tuple[float, list[tuple[float, int]]]:
     """One streaming /generate request: (send time, [(arrival time, completion tokens so far)]).
-    ``on_mark(marks)`` is called after every arrival (the profiler starts from it)."""
+    ``on_mark(marks)`` is called after every arrival (the profiler starts from it); the last
+    chunk's ``meta_info`` is appended to ``last_meta`` when given (speculative counters)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
@@ -123,6 +133,9 @@ def stream_generate(
             marks.append((time.perf_counter(), int(msg["meta_info"]["completion_tokens"])))
             if on_mark is not None:
                 on_mark(marks)
+            meta = msg["meta_info"]
+    if last_meta is not None:
+        last_meta.append(meta)
     return t0, marks
 
 
@@ -146,6 +159,8 @@ class Row:
     ffn: int | None = None
     chunked_prefill: int | None = None
     tpot_profiled_ms: float | None = None  # the step while py-spy samples every rank (--profile)
+    # speculative decoding (--spec-steps): tokens per verify, (accepted drafts + verifies) / verifies
+    accept_length: float | None = None
 
 
 def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
@@ -174,8 +189,9 @@ def measure(layout: Layout, context: int, batch: int, new_tokens: int, dtype_byt
     prompts = [[rng.randrange(10, vocab) for _ in range(context)] for _ in range(batch)]
     extra = profiler.tokens if profiler else 0
     on_mark = profiler.on_mark(new_tokens, f"{layout.name}-S{context}-B{batch}") if profiler else None
+    metas: list = []
     with cf.ThreadPoolExecutor(batch) as pool:
-        results = list(pool.map(lambda ids: stream_generate(layout.base_url, ids, new_tokens + extra, on_mark), prompts))
+        results = list(pool.map(lambda ids: stream_generate(layout.base_url, ids, new_tokens + extra, on_mark, metas), prompts))
     if profiler:
         profiler.stop()
     ttft, tpot, tpot_prof = [], [], []
@@ -197,8 +213,17 @@ def measure(layout: Layout, context: int, batch: int, new_tokens: int, dtype_byt
         round(tpot_s * 1e3, 3), round(batch / tpot_s, 2), heads, tokens,
         None if mib is None else round(batch * mib, 3), a2a_kib(layout, batch, dtype_bytes), layout.capacity,
         head_dim, cfg.get("hidden_size"), cfg.get("intermediate_size"), layout.chunked_prefill,
-        round(statistics.median(tpot_prof) * 1e3, 3) if tpot_prof else None,
+        round(statistics.median(tpot_prof) * 1e3, 3) if tpot_prof else None, accept_length(metas),
     )  # fmt: skip
+
+
+def accept_length(metas: list) -> float | None:
+    """Tokens per verify over the requests: (accepted drafts + verifies) / verifies, from the
+    counters upstream's scheduler puts in ``meta_info``; None without speculation."""
+    verifies = sum(m.get("spec_verify_ct") or 0 for m in metas)
+    if not verifies:
+        return None
+    return round((sum(m.get("spec_num_correct_drafts") or 0 for m in metas) + verifies) / verifies, 3)
 
 
 def a2a_kib(layout: Layout, batch: int, dtype_bytes: int) -> float | None:
@@ -266,10 +291,10 @@ def bench_cpu(args) -> list[Row]:
     new_tokens = args.new_tokens + (args.profile_tokens if args.profile else 0)
     max_context = max(args.context) + new_tokens + 16
     need = max(b * (c + new_tokens + 16) for c, b in cases(args))
-    launches = cpu_layouts(args)
+    launches = [(k, kvp, steps) for k, kvp in cpu_layouts(args) for steps in args.spec_steps]
     progress = Progress(len(launches) * len(cases(args)))
     rows = []
-    for k, kvp in launches:
+    for k, kvp, steps in launches:
         spec = TinyModelSpec(
             num_heads=args.heads, num_kv_heads=k, head_dim=args.head_dim, num_layers=args.layers,
             intermediate_size=args.intermediate_size, max_position_embeddings=max(8192, max_context),
@@ -283,6 +308,12 @@ def bench_cpu(args) -> list[Row]:
         chunk_tokens = args.chunked_prefill_size or max(need, 16384)
         flags += ["--chunked-prefill-size", str(chunk_tokens), "--max-prefill-tokens", str(chunk_tokens)]
         flags += ["--watchdog-timeout", "3600"]  # a 32K-token prefill forward takes minutes on 2 cores
+        if steps:  # STANDALONE, the target as its own draft: a chain of `steps`
+            flags += [
+                "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model,
+                "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(steps + 1),
+            ]  # fmt: skip
         with CpuServer(model, flags, attention_backend=args.attention_backend, log_dir=args.work_dir) as srv:
             profiler = RankProfiler(srv.proc.pid, args) if args.profile else None
             rows += bench_server(srv.base_url, args, progress, profiler)
@@ -418,6 +449,7 @@ def kv_model(rows: list[Row]) -> list[dict]:
     path against upstream's SDPA) with its own cost per byte.
     """
     out = []
+    rows = [r for r in rows if not r.accept_length]  # without speculation only
     for k in sorted({r.kv_heads for r in rows if r.kv_heads is not None}):
         for batch in sorted({r.batch for r in rows}):
             plain = {r.context: r for r in rows if r.kv_heads == k and r.batch == batch and "kvp" not in r.layout}
@@ -501,6 +533,11 @@ def main() -> int:
     cpu.add_argument("--intermediate-size", type=int, default=128)
     cpu.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the largest batch of prompts in one chunk")
     cpu.add_argument("--attention-backend", default="torch_native", choices=["torch_native", "triton"])
+    cpu.add_argument(
+        "--spec-steps", type=_ints, default=[0],
+        help="speculative chains to run each layout with: 0 = none, s = STANDALONE (the target as its own draft), "
+        "--speculative-num-steps s, top-k 1; e.g. 0,3",
+    )  # fmt: skip
     cpu.add_argument("--max-total-tokens", type=int, default=65536, help="at least; raised to fit the largest batch")
     cpu.add_argument("--profile", help="py-spy every scheduler rank over --profile-tokens extra decode steps of each request; files and a per-rank summary here")
     cpu.add_argument("--profile-tokens", type=int, default=24)

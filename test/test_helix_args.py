@@ -276,6 +276,7 @@ def _unsupported(feature, given, fix, why=""):
     )
 
 
+_TREE_MASK = "its verify attends through a custom tree mask, which the sequence-sharded attention does not apply yet"
 _HYBRID = "SGLang runs them through a HybridAttnBackend, which the Helix attention does not dispatch"
 _WRAPPED = "it wraps the attention backend, which the Helix attention does not dispatch"
 
@@ -307,10 +308,16 @@ UNSUPPORTED = {
         ["--pp-size", "2"],
         _unsupported("pipeline parallelism yet", "--pp-size 2", "Set --pp-size 1"),
     ),
-    "speculative": (
-        ["--speculative-algorithm", "EAGLE"],
-        _unsupported("speculative decoding yet", "--speculative-algorithm EAGLE",
-                     "Drop --speculative-algorithm"),
+    "speculative-ngram": (
+        ["--speculative-algorithm", "NGRAM"],
+        _unsupported("NGRAM speculation yet", "--speculative-algorithm NGRAM",
+                     "Use --speculative-algorithm EAGLE or STANDALONE", _TREE_MASK),
+    ),
+    "speculative-eagle3": (
+        ["--speculative-algorithm", "EAGLE3"],
+        _unsupported("EAGLE3 speculation yet", "--speculative-algorithm EAGLE3",
+                     "Use --speculative-algorithm EAGLE or STANDALONE",
+                     "only EAGLE and STANDALONE chain drafts are verified"),
     ),
     "pd-decode": (
         ["--disaggregation-mode", "decode"],
@@ -368,7 +375,7 @@ UNSUPPORTED = {
     **{
         case: (flags, _unsupported(feature, given or " ".join(flags), fix, why))
         for case, flags, feature, given, fix, why in [
-            ("decoupled-spec", ["--decoupled-spec-role", "verifier"], "speculative decoding yet",
+            ("decoupled-spec", ["--decoupled-spec-role", "verifier"], "decoupled speculative decoding yet",
              None, "Drop --decoupled-spec-role", ""),
             ("flexkv", ["--enable-flexkv"], "prefix-cache extensions", None, "Drop --enable-flexkv",
              "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
@@ -828,3 +835,73 @@ def test_head_dim_the_exchange_cannot_take_is_refused_at_launch(tmp_path):
     msg = helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"])
     assert "--helix-kvp-size 2 needs power-of-two attention head dims" in msg and "head_dim 24" in msg
     resolve(path, ["--tp", "4"])  # Helix off: upstream's
+
+
+# --------------------------------------------------------------------------------------------
+# Speculative decoding (issue 27): EAGLE / STANDALONE chain drafts on torch_native
+# --------------------------------------------------------------------------------------------
+def _spec(draft: str, topk: int = 1, steps: int = 3) -> list:
+    return [
+        "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
+        "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+        "--speculative-num-draft-tokens", str(steps + 1 if topk == 1 else steps * topk),
+    ]  # fmt: skip
+
+
+def test_standalone_chain_on_torch_native_is_accepted(model):
+    """The supported case resolves: the target as its own draft, a chain, torch_native (the
+    CPU default under Helix)."""
+    server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model())])
+    cfg = view(server_args)
+    assert cfg.speculative_algorithm == "STANDALONE" and cfg.speculative_eagle_topk == 1
+    assert cfg.attention_backend == "torch_native" and cfg.helix_kvp_size == 2
+
+
+@pytest.mark.parametrize(
+    "extra, feature, given, fix, why",
+    [
+        (["--speculative-eagle-topk", "2"], "tree drafts yet", "--speculative-eagle-topk 2",
+         "Set --speculative-eagle-topk 1 (a chain draft)", _TREE_MASK),
+        (["--attention-backend", "triton"], "speculative decoding on --attention-backend triton yet",
+         "--speculative-algorithm STANDALONE --attention-backend triton",
+         "Use --attention-backend torch_native, or drop --speculative-algorithm",
+         "the Triton draft steps and verify do not run on the sequence-sharded KV yet"),
+        (["--speculative-draft-attention-backend", "triton"],
+         "speculative decoding on --speculative-draft-attention-backend triton yet",
+         "--speculative-algorithm STANDALONE --speculative-draft-attention-backend triton",
+         "Use --speculative-draft-attention-backend torch_native, or drop --speculative-algorithm",
+         "the Triton draft steps and verify do not run on the sequence-sharded KV yet"),
+    ],
+    ids=["tree", "triton", "draft-triton"],
+)  # fmt: skip
+def test_speculative_refusals(model, extra, feature, given, fix, why):
+    args = _spec(model())
+    if extra[0] == "--speculative-eagle-topk":  # replaces the chain's topk (and its draft-token count)
+        args = _spec(model(), topk=int(extra[1]))
+        extra = []
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *args, *extra])
+    assert message == _unsupported(feature, given, fix, why)
+
+
+def test_speculative_draft_must_be_a_helix_model(model, tmp_path):
+    """A draft whose attention is not Helix's would read the sequence-sharded pool as a whole one."""
+    import json
+
+    draft = write_tiny_model(str(tmp_path / "draft"), TinyModelSpec())
+    with open(f"{draft}/config.json") as f:
+        config = json.load(f)
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    with open(f"{draft}/config.json", "w") as f:
+        json.dump(config, f)
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(draft)])
+    assert "does not support this draft model yet (--speculative-draft-model-path" in message, message
+    assert "Use a draft of a Helix architecture (" in message and "LlamaForCausalLMEagle" in message, message
+
+
+def test_speculative_draft_heads_must_fit_the_grid(model):
+    """The draft's heads are sharded over the same KVP x TPA grid: a 1-KV-head draft under TPA 2."""
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(8, 1))])
+    assert message == _unsupported(
+        "this draft model's head counts", f"--speculative-draft-model-path {model(8, 1)} has 8 query and 1 KV heads",
+        "Use a draft whose KV heads are a multiple of TPA = 2 and whose query heads divide by --tp 4",
+    )

@@ -11,9 +11,11 @@ What it takes on the CPU engine, and what still blocks:
 - The CPU engine calls sgl_kernel's ``*_cpu`` speculation ops (KV slot moves, draft/verify cache
   locations, tree build, greedy verify); the harness stub has torch versions of them
   (``TORCH_OPS``, tested in ``test_sgl_kernel_stub.py``). Any other stub call still fails the run.
-- ``--attention-backend triton`` only: upstream has no torch_native draft backend (the server
-  stops at start with "EAGLE is not supported in decode attention backend torch_native",
-  ``srt/speculative/draft_utils.py``), nor a torch_native target-verify path.
+- torch_native: upstream 0.5.23 has no torch_native draft backend (the server stops at start
+  with "EAGLE is not supported in decode attention backend torch_native",
+  ``srt/speculative/draft_utils.py``), nor a torch_native target-verify path. The series' patch
+  "[CPU] torch_native: speculative draft decode and target verify" adds both
+  (``test_standalone_torch_native_matches_plain_tp``, default tier: no interpreted kernels).
 - sglang 0.5.23 builds the verify tree mask as QLEN_ONLY on every CPU server, which only the
   intel_amx backend reads; triton reads FULL_MASK, so verify attended through a garbled mask and
   the tokens differed from plain TP's after the first verify. The series' patch "[CPU]
@@ -27,8 +29,9 @@ one token shorter, and on these tiny models with sharp attention that changes it
 draft's picks were checked against transformers on that shifted sequence (identical).
 
 Triton runs interpreted (``TRITON_INTERPRET=1``): a speculative step is ~4 interpreted forwards
-per rank, so these servers take ~400 s each on a 2-core machine: every server test here is
-marked ``full`` (``HELIX_TEST_FULL=1``); the default run keeps the unit test of the mask rule.
+per rank, so those servers take ~400 s each on a 2-core machine and are marked ``full``
+(``HELIX_TEST_FULL=1``); the default run keeps the unit test of the mask rule and the
+torch_native chain.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from sglang_helix.testing.openai_probe import (
     long_completion,
     probe,
 )
-from sglang_helix.testing.server import ServerStartError
 from sglang_helix.testing.tiny_models import write_tiny_eagle_draft
 
 TP = 4
@@ -201,10 +203,26 @@ def test_eagle_triton_matches_plain_tp(model_dir, server_log_dir, tmp_path_facto
 
 
 @pytest.mark.e2e
-@FULL
-def test_torch_native_has_no_draft_backend(model_dir, server_log_dir):
-    """Upstream limitation, pinned: torch_native cannot run the draft (an upstream patch adding
-    a torch_native multi-step draft backend and target-verify path makes this test fail)."""
+def test_standalone_torch_native_matches_plain_tp(model_dir, server_log_dir):
+    """The series' torch_native draft decode and target verify (upstream 0.5.23 stopped at start:
+    "EAGLE is not supported in decode attention backend torch_native"): STANDALONE, the target
+    as its own draft, serves plain TP's greedy tokens and logprobs, drafts accepted."""
+    ref = reference(model_dir, server_log_dir)
     model = model_dir(GQA)
-    with pytest.raises(ServerStartError, match="EAGLE is not supported in decode attention backend torch_native"):
-        run_workload(model, spec_args("STANDALONE", model), "torch_native", server_log_dir, generate)
+    got = run_workload(model, spec_args("STANDALONE", model), "torch_native", server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, got, model, "STANDALONE torch_native")
+    assert assert_speculated(got, "STANDALONE torch_native") > 1.0
+
+
+@pytest.mark.e2e
+@FULL
+def test_standalone_torch_native_tree_matches_plain_tp(model_dir, server_log_dir):
+    """A tree draft (top-k 2) on torch_native reads the verify's custom mask (FULL_MASK layout)."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    args = spec_args("STANDALONE", model)
+    args[args.index("--speculative-eagle-topk") + 1] = "2"
+    args[args.index("--speculative-num-draft-tokens") + 1] = "5"
+    got = run_workload(model, args, "torch_native", server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, got, model, "STANDALONE tree torch_native")
+    assert assert_speculated(got, "STANDALONE tree torch_native") >= 1.0

@@ -446,6 +446,9 @@ PREFIX_TESTS = {
     "[CPU] Speculative verify: the QLEN_ONLY tree mask only for intel_amx": [
         "test/test_spec_baseline_e2e.py", "-k", "tree_mask_mode",
     ],
+    "[CPU] torch_native: speculative draft decode and target verify": [
+        "test/test_spec_baseline_e2e.py", "-k", "standalone_torch_native_matches",
+    ],
     "[Distributed] Do not create a PyNccl communicator for gloo groups": ["test/test_helix_groups.py"],
     "[Kernel] Triton decode stage 2: optional merged-LSE output": [
         # (the whole file runs on the full series; here the flag off and on, once each)
@@ -472,7 +475,8 @@ PREFIX_TESTS = {
     ],
     "[Helix] Llama, Mistral: qkv_proj over TPA, Helix attention before o_proj": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server",
+        "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server "
+        "and not speculative",
     ],
     "[Helix] Qwen2: qkv_proj over TPA, Helix attention before o_proj": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen2",
@@ -483,6 +487,7 @@ PREFIX_TESTS = {
     "[Helix] Mixtral: qkv_proj over TPA, Helix attention before o_proj": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
+    "[Helix] EAGLE: the Llama draft head opts in as a draft": ["test/test_helix_args.py", "-m", "not e2e", "-k", "speculative"],
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.

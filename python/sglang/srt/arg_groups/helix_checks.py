@@ -176,6 +176,15 @@ def helix_architectures() -> list:
     return sorted(arch for arch, cls in ModelRegistry.models.items() if vars(cls).get("supports_helix", False))
 
 
+def helix_draft_architectures() -> list:
+    """What a Helix target accepts as its speculative draft: the Helix architectures and the draft
+    heads that opt in as drafts in their own body (``supports_helix_draft = True``)."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    drafts = [arch for arch, cls in ModelRegistry.models.items() if vars(cls).get("supports_helix_draft", False)]
+    return sorted(set(helix_architectures()) | set(drafts))
+
+
 def _field_default(name: str) -> Any:
     import msgspec
 

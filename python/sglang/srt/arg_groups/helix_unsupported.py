@@ -50,11 +50,8 @@ UNSUPPORTED = (
     ),
     Feature("pipeline parallelism yet", (Flag("--pp-size", "pp_size", 1, reset=True),)),
     Feature(
-        "speculative decoding yet",
-        (
-            Flag("--speculative-algorithm", "speculative_algorithm"),
-            Flag("--decoupled-spec-role", "decoupled_spec_role", "null"),
-        ),
+        "decoupled speculative decoding yet",
+        (Flag("--decoupled-spec-role", "decoupled_spec_role", "null"),),
     ),
     Feature(
         "prefill/decode disaggregation yet",
@@ -184,6 +181,79 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
             "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2",
         )  # fmt: skip
     _check_dp_attention(server_args, cfg)
+    check_speculative(server_args, cfg)
+
+
+# Speculative decoding under Helix (docs/helix-flags.md, "Speculative decoding"): a chain draft
+# (top-k 1) whose verify is a causal extend of the draft tokens over the sequence-sharded KV.
+HELIX_SPEC_ALGORITHMS = ("EAGLE", "STANDALONE")
+HELIX_SPEC_BACKENDS = ("torch_native",)
+_TREE_MASK = "its verify attends through a custom tree mask, which the sequence-sharded attention does not apply yet"
+
+
+def check_speculative(server_args: Any, cfg: Any) -> None:
+    """Which ``--speculative-*`` settings Helix serves: EAGLE and STANDALONE chain drafts on
+    torch_native, the draft a Helix model too. Refuses the rest with one line naming the flag."""
+    algorithm = cfg.speculative_algorithm
+    if algorithm is None:
+        return
+    name = str(algorithm).upper()
+    if name not in HELIX_SPEC_ALGORITHMS:
+        why = _TREE_MASK if name == "NGRAM" else "only EAGLE and STANDALONE chain drafts are verified"
+        unsupported(
+            cfg, f"{name} speculation yet", [f"--speculative-algorithm {algorithm}"],
+            "Use --speculative-algorithm EAGLE or STANDALONE", why,
+        )  # fmt: skip
+    topk = cfg.speculative_eagle_topk
+    if topk is not None and topk > 1:
+        unsupported(
+            cfg, "tree drafts yet", [f"--speculative-eagle-topk {topk}"],
+            "Set --speculative-eagle-topk 1 (a chain draft)", _TREE_MASK,
+        )  # fmt: skip
+    for field in ("attention_backend", "speculative_draft_attention_backend"):
+        backend = getattr(cfg, field)
+        if backend is not None and backend not in HELIX_SPEC_BACKENDS:
+            flag = "--" + field.replace("_", "-")
+            unsupported(
+                cfg, f"speculative decoding on {flag} {backend} yet",
+                [f"--speculative-algorithm {algorithm}", f"{flag} {backend}"],
+                f"Use {flag} torch_native, or drop --speculative-algorithm",
+                "the Triton draft steps and verify do not run on the sequence-sharded KV yet",
+            )  # fmt: skip
+    _check_draft_model(cfg)
+
+
+def _check_draft_model(cfg: Any) -> None:
+    """The draft model's attention runs on the same sequence-sharded pool: it must be a Helix
+    model too (an opted-in architecture, its K and Q heads fitting the grid like the target's)."""
+    from sglang.srt.arg_groups.helix_checks import helix_draft_architectures, join
+
+    path = cfg.speculative_draft_model_path
+    if not path:
+        return
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path, trust_remote_code=bool(cfg.trust_remote_code))
+    except (OSError, ValueError):
+        return  # upstream's draft loading reports a path it cannot read
+    archs = list(getattr(hf, "architectures", None) or [])
+    supported = helix_draft_architectures()
+    if not archs or any(a not in supported for a in archs):
+        unsupported(
+            cfg, "this draft model yet",
+            [f"--speculative-draft-model-path {path} is {join(archs) or 'an unknown architecture'}"],
+            f"Use a draft of a Helix architecture ({join(supported)})",
+            "the draft's attention reads the same sequence-sharded KV pool",
+        )  # fmt: skip
+    k = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    tpa = cfg.helix_tpa_size or cfg.tp_size // cfg.helix_kvp_size
+    if tpa > k or k % tpa or hf.num_attention_heads % cfg.tp_size:
+        unsupported(
+            cfg, "this draft model's head counts",
+            [f"--speculative-draft-model-path {path} has {hf.num_attention_heads} query and {k} KV heads"],
+            f"Use a draft whose KV heads are a multiple of TPA = {tpa} and whose query heads divide by --tp {cfg.tp_size}",
+        )  # fmt: skip
 
 
 def _check_dp_attention(server_args: Any, cfg: Any) -> None:

@@ -67,6 +67,7 @@ class HelixForwardMetadata:
     kv_run_starts: Optional[list] = None
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
+    out_cache_loc: Optional[torch.Tensor] = None  # the forward it was built for (``of``)
 
     @classmethod
     def build(cls, forward_batch) -> "HelixForwardMetadata":
@@ -74,19 +75,55 @@ class HelixForwardMetadata:
         k, n, c = parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
         rows = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
         pool = _req_to_token(get_attn_backend())
-        total = kv_layout.total_local_len(forward_batch.seq_lens_cpu, k, n, c)
+        kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
+        total = kv_layout.total_local_len(kv_ends_cpu, k, n, c)
         indptr, indices, positions = kv_layout.local_kv_indices(
-            pool, forward_batch.req_pool_indices, forward_batch.seq_lens, total, k, n, c
+            pool, forward_batch.req_pool_indices, kv_ends, total, k, n, c
         )
-        return cls(k, n, c, rows, indptr, indices, total, positions)
+        meta = cls(k, n, c, rows, indptr, indices, total, positions)
+        meta.out_cache_loc = forward_batch.out_cache_loc
+        return meta
 
     @classmethod
     def of(cls, forward_batch) -> "HelixForwardMetadata":
+        """Built on a forward's first layer, shared by its other layers. The speculative draft
+        runs its decode steps on one ForwardBatch, each step with new ``out_cache_loc`` (and
+        positions): a new ``out_cache_loc`` is a new forward."""
         meta = getattr(forward_batch, "helix_metadata", None)
-        if meta is None:
+        if meta is None or meta.out_cache_loc is not forward_batch.out_cache_loc:
             meta = cls.build(forward_batch)
             forward_batch.helix_metadata = meta
         return meta
+
+
+def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
+    """``([B] tensor, host list)``: each request's KV this forward attends, as the end of the
+    positions ``[0, end)`` (the forward's new tokens included).
+
+    An extend or a decode: ``seq_lens``. A speculative target verify: ``seq_lens`` (the committed
+    prefix) + the ``draft_token_num`` draft tokens it writes. A speculative draft decode step (a
+    chain: one token per request): its position + 1, since the draft's steps run past
+    ``seq_lens`` on the slots the scheduler reserved for them.
+    """
+    mode = forward_batch.forward_mode
+    if mode.is_target_verify():
+        drafts = forward_batch.spec_info.draft_token_num
+        return forward_batch.seq_lens + drafts, [int(x) + drafts for x in forward_batch.seq_lens_cpu]
+    if mode.is_decode() and forward_batch.spec_info is not None:
+        ends = forward_batch.positions.to(torch.int64) + 1
+        return ends, ends.tolist()
+    return forward_batch.seq_lens, forward_batch.seq_lens_cpu
+
+
+def query_lens_of(forward_batch, batch_size: int) -> list:
+    """Host ``[B]`` new tokens per request: 1 (decode), ``draft_token_num`` (target verify), or
+    the extend's lengths."""
+    mode = forward_batch.forward_mode
+    if mode.is_decode():
+        return [1] * batch_size
+    if mode.is_target_verify():
+        return [forward_batch.spec_info.draft_token_num] * batch_size
+    return forward_batch.extend_seq_lens_cpu
 
 
 @dataclass
@@ -233,7 +270,7 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
     key_pos, indptr = meta.kv_positions, meta.kv_indptr_host
     decode = forward_batch.forward_mode.is_decode()
-    q_lens = [1] * (len(indptr) - 1) if decode else forward_batch.extend_seq_lens_cpu
+    q_lens = query_lens_of(forward_batch, len(indptr) - 1)
     start = 0
     for b, q_len in enumerate(q_lens):
         lo, hi = indptr[b], indptr[b + 1]

@@ -1,0 +1,161 @@
+"""Speculative decoding under Helix on the CPU harness (issue 27): real ``--tp 4`` servers.
+
+Helix serves EAGLE and STANDALONE chain drafts (``--speculative-eagle-topk 1``) on torch_native
+(``docs/helix-flags.md``, "Speculative decoding"; the refusals are ``test_helix_args.py``'s). What
+runs where:
+
+- the target verify is an extend of the ``k + 1`` draft tokens over the sequence-sharded prefix
+  (``kv_ends_of`` / ``query_lens_of`` in ``layers/helix/attention.py``): each rank attends every
+  draft token to the keys it owns, the draft tokens' own K/V written by their owners, and the
+  All-to-All + LSE merge makes it exact;
+- the draft model's attention is Helix attention too (a Llama-family draft, or the
+  ``LlamaForCausalLMEagle`` head), over its own pool laid out like the target's (same allocator
+  ids, same owners); its decode steps run past ``seq_lens`` on the slots the scheduler reserved,
+  so each step's local KV list ends at the step's position;
+- rejected drafts' slots are the scheduler's over-allocation, freed by the allocator every rank
+  shares (logical ids), so they are freed on every rank at once.
+
+``--helix-kvp-chunk-size 4`` with a chain of 3 (4 draft tokens): every verify and every draft
+chain crosses an ownership boundary.
+
+Checked (default tier, one server): greedy tokens and logprobs equal plain TP's (no speculation)
+over the batched ``/generate``, the OpenAI probe (completions, stream, chat, streamed chat) and
+the ~300-token prompt; the accept length is reported and > 1 (the target as its own draft); a
+sampled request runs; an aborted and a disconnected stream; then upstream's KV checks on every
+rank (``kv_checks.DEBUG_ENV``): none fired, and every rank's free count after the run equals its
+count at startup. Full tier: EAGLE, KVP 4, and the scripted retraction/abort scenario of
+``test_helix_kv_leak.py`` with speculation on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from conftest import FULL, GQA, start_server, stop_server
+from sglang_helix.testing.kv_checks import DEBUG_ENV, busy_counts, fired_checks, get, wait_idle
+from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_generation, assert_same_probe, long_completion, probe
+from sglang_helix.testing.tiny_models import write_tiny_eagle_draft
+from test_helix_kv_leak import _stream_generate_then_abort, _stream_then_close
+from test_spec_baseline_e2e import (
+    assert_generate_matches,
+    assert_speculated,
+    generate,
+    reference,
+    spec_args,
+)
+
+BACKEND = "torch_native"
+
+
+def helix_spec_args(algorithm: str, draft: str, kvp: int) -> list:
+    return spec_args(algorithm, draft) + ["--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", "4"]
+
+
+def sampled(base_url: str) -> list:
+    import json
+    import urllib.request
+
+    body = {
+        "text": ["The capital of France is", "Once upon a time"],
+        "sampling_params": {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 7},
+    }
+    req = urllib.request.Request(base_url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        return json.load(r)
+
+
+def mixed_run(base_url: str) -> dict:
+    """Everything the default test reads from one server, then the aborted/disconnected streams."""
+    rng = random.Random(3)
+    prompt = lambda n: [rng.randrange(10, 400) for _ in range(n)]  # noqa: E731
+    out = {"generate": generate(base_url), "probe": probe(base_url), "long": long_completion(base_url)}
+    out["sampled"] = sampled(base_url)
+    out["closed_after"] = _stream_then_close(base_url, prompt(21), 40, 3)
+    out["aborted"] = _stream_generate_then_abort(base_url, "helix-spec-abort", prompt(18), 40, 2)
+    return out
+
+
+def run_checked(model: str, args: list, log_dir: str, workload) -> tuple:
+    """Run ``workload`` on a server with upstream's KV checks on every rank; return its result and
+    every rank's ``(total, available, uncached)`` at the first busy check after startup and after
+    the workload (a health-check request each)."""
+    srv = start_server(model, args, BACKEND, log_dir, extra_env=DEBUG_ENV)
+    try:
+        wait_idle(srv.base_url)
+        result = workload(srv.base_url)
+        wait_idle(srv.base_url)
+        # The radix cache (on) keeps the run's prefixes: release them, so the pool can come back.
+        assert get(srv.base_url, "/flush_cache")[0] == 200
+        time.sleep(2.0)  # idle checks on every rank
+        mark = os.path.getsize(srv.log_path)
+        assert get(srv.base_url, "/health_generate")[0] == 200
+        wait_idle(srv.base_url)
+        time.sleep(1.0)
+        assert srv.proc.poll() is None, "server died\n" + srv.log_tail()
+    finally:
+        with open(srv.log_path, "rb") as f:
+            raw = f.read()
+        stop_server(srv)
+    log = raw.decode(errors="replace")
+    fired = fired_checks(log)
+    assert not fired, "a KV pool check fired:\n" + "\n".join(fired)[:4000]
+    before, after = busy_counts(raw[:mark].decode(errors="replace")), busy_counts(raw[mark:].decode(errors="replace"))
+    return result, before, after
+
+
+def assert_every_rank_back(before: dict, after: dict, tp: int) -> None:
+    assert sorted(before) == sorted(after) == list(range(tp)), (sorted(before), sorted(after))
+    for rank in range(tp):
+        assert after[rank][0] == before[rank][0], f"TP{rank}: after the run {after[rank][0]}, at startup {before[rank][0]}"
+        assert len({t for t, _, _ in before[rank] + after[rank]}) == 1, f"TP{rank}: the pool's total changed"
+
+
+@pytest.mark.e2e
+def test_helix_standalone_serves_plain_tp_tokens(model_dir, server_log_dir):
+    """Helix KVP 2 x TPA 2, STANDALONE (the target as its own draft, a chain of 3): plain TP's
+    greedy tokens and logprobs everywhere, drafts accepted, and every rank's KV back to its
+    startup count after aborts and a disconnect."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    got, before, after = run_checked(model, helix_spec_args("STANDALONE", model, 2), server_log_dir, mixed_run)
+    assert_generate_matches(ref["probe"].completions, got["generate"], model, "Helix STANDALONE")
+    assert_same_probe(ref["probe"], got["probe"], LOGPROB_ATOL, "Helix STANDALONE")
+    assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, "Helix STANDALONE long prompt")
+    assert assert_speculated(got["generate"], "Helix KVP 2 STANDALONE") > 1.0
+    for r in got["sampled"]:
+        assert r["meta_info"]["completion_tokens"] == 12 and r["meta_info"].get("spec_verify_ct", 0) > 0, r["meta_info"]
+    assert got["closed_after"] == 3
+    assert got["aborted"]["finish_reason"]["type"] == "abort"
+    assert_every_rank_back(before, after, 4)
+
+
+@pytest.mark.e2e
+@FULL
+@pytest.mark.parametrize("kvp", [2, 4])
+def test_helix_eagle_serves_plain_tp_tokens(model_dir, server_log_dir, tmp_path_factory, kvp):
+    """EAGLE with a tiny random LlamaForCausalLMEagle head (Helix attention too): whatever it
+    drafts, the served tokens are the target's."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    draft = write_tiny_eagle_draft(str(tmp_path_factory.mktemp("eagle") / "draft"), GQA)
+    got, before, after = run_checked(model, helix_spec_args("EAGLE", draft, kvp), server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, got, model, f"Helix KVP {kvp} EAGLE")
+    assert assert_speculated(got, f"Helix KVP {kvp} EAGLE") >= 1.0
+    assert_every_rank_back(before, after, 4)
+
+
+@pytest.mark.e2e
+@FULL
+def test_helix_kvp4_standalone_serves_plain_tp_tokens(model_dir, server_log_dir):
+    """KVP 4 x TPA 1: four owners per verify window of 4 tokens with chunk 4."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    got, before, after = run_checked(model, helix_spec_args("STANDALONE", model, 4), server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, got, model, "Helix KVP 4 STANDALONE")
+    assert assert_speculated(got, "Helix KVP 4 STANDALONE") > 1.0
+    assert_every_rank_back(before, after, 4)
+
