@@ -32,6 +32,11 @@ idle, and asserted:
 - the completed generations (retracted and recomputed ones included) and a final request decode
   the same tokens as transformers.
 
+The ``torch_native-speculative`` scenario runs the same with STANDALONE speculation (the target
+as its own draft, a chain of 3): every request also holds its draft window, and verify's rejected
+drafts are released (issue 27). The scheduler then admits against the draft windows too, so the
+pool runs low (to ~24 of 256 free ids per rank) without a retraction; that is asserted instead.
+
 ``test_leak_checks_catch_an_injected_fault`` proves the test fails
 when the release path is broken on one non-zero rank: a page kept (caught by the busy check, or
 with busy checks off by the idle check), or a page released twice (caught by the allocator's
@@ -69,6 +74,18 @@ class Scenario:
     tp: int
     rows_per_rank: int  # --max-total-tokens: physical rows per rank; the allocator has rows * KVP ids
     max_tokens: int  # of each long generation
+    backend: str = "torch_native"
+    # STANDALONE speculation, the target as its own draft, a chain of 3 (issue 27): the scheduler
+    # reserves each request's draft window as well, and frees what verify rejects
+    speculative: bool = False
+
+    def launch_args(self, model_path: str) -> list:
+        if not self.speculative:
+            return self.args
+        return self.args + [
+            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model_path,
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+        ]  # fmt: skip
 
     @property
     def args(self) -> list:
@@ -91,7 +108,8 @@ SCENARIOS = {
     "torch_native": Scenario(tp=4, rows_per_rank=128, max_tokens=64),
     # The interpreted Triton kernels run ~10x slower on this harness: half the ranks (TPA 1), a
     # quarter of the pool and short generations, which still overfill it.
-    "triton": Scenario(tp=2, rows_per_rank=32, max_tokens=12),
+    "triton": Scenario(tp=2, rows_per_rank=32, max_tokens=12, backend="triton"),
+    "torch_native-speculative": Scenario(tp=4, rows_per_rank=128, max_tokens=64, speculative=True),
 }
 # Opt-in (HELIX_TEST_EXTRA=1): after a retraction the scheduler admits one request at a time, and
 # each interpreted Triton prefill takes 10-20 s on 2 cores, so the scenario takes ~15 minutes.
@@ -175,9 +193,13 @@ def _hf_greedy_ok(model, prompt: list[int], gen: list[int]) -> bool:
 @pytest.mark.e2e
 # The default run's KV accounting check is the soak (test_helix_soak.py: the same checks on every
 # rank, over every request kind); this scripted scenario runs with HELIX_TEST_FULL=1.
-@pytest.mark.parametrize("backend", [pytest.param("torch_native", marks=FULL), pytest.param("triton", marks=EXTRA)])
-def test_aborts_and_retraction_leak_no_kv(model_dir, server_log_dir, backend):
-    _leak_scenario(model_dir(GQA), server_log_dir, DEBUG_ENV, backend)
+@pytest.mark.parametrize(
+    "scenario",
+    [pytest.param("torch_native", marks=FULL), pytest.param("triton", marks=EXTRA),
+     pytest.param("torch_native-speculative", marks=FULL)],
+)  # fmt: skip
+def test_aborts_and_retraction_leak_no_kv(model_dir, server_log_dir, scenario):
+    _leak_scenario(model_dir(GQA), server_log_dir, DEBUG_ENV, scenario)
 
 
 # A broken release path must fail the test above: the same scenario with a fault injected into the
@@ -209,8 +231,8 @@ def test_leak_checks_catch_an_injected_fault(model_dir, server_log_dir, monkeypa
     assert re.search(message, str(failed.value), re.S), str(failed.value)[:3000]
 
 
-def _leak_scenario(model_path: str, server_log_dir: str, env: dict, backend: str = "torch_native") -> None:
-    sc = SCENARIOS[backend]
+def _leak_scenario(model_path: str, server_log_dir: str, env: dict, scenario: str = "torch_native") -> None:
+    sc = SCENARIOS[scenario]
     import torch  # noqa: F401
     from transformers import LlamaForCausalLM
 
@@ -218,7 +240,7 @@ def _leak_scenario(model_path: str, server_log_dir: str, env: dict, backend: str
     prompt = lambda n: [rng.randrange(10, 400) for _ in range(n)]  # noqa: E731
     timeout = float(os.environ.get("HELIX_TEST_STARTUP_TIMEOUT", "900"))
     srv = CpuServer(
-        model_path, sc.args, attention_backend=backend,
+        model_path, sc.launch_args(model_path), attention_backend=sc.backend,
         startup_timeout=timeout, log_dir=server_log_dir, extra_env=env,
     ).start()  # fmt: skip
     try:
@@ -273,7 +295,10 @@ def _leak_scenario(model_path: str, server_log_dir: str, env: dict, backend: str
 
     # The workload did what it is meant to.
     retractions = log.count(RETRACT_LINE)
-    assert retractions >= 1, "the pool never ran full: no retraction happened"
+    # Speculating, the scheduler charges each running request its draft window as well and ran
+    # this workload down to ~24 of 256 free ids per rank without a retraction (2026-11-25): the
+    # pool running low (below) is what that scenario asserts.
+    assert retractions >= 1 or sc.speculative, "the pool never ran full: no retraction happened"
     assert all(n == 3 for n in stream_chunks), stream_chunks
     finish = [r["finish_reason"]["type"] for r in abort_results]
     assert all(f == "abort" for f in finish), finish
@@ -292,7 +317,8 @@ def _leak_scenario(model_path: str, server_log_dir: str, env: dict, backend: str
     for rank in ranks:
         first, low, again = before[rank][0], min(a for _, a, _ in before[rank]), after[rank][0]
         assert all(t == total for t, _, _ in before[rank] + after[rank]), f"TP{rank}: total is not {total}"
-        assert first[1] + first[2] == total and first[2] <= PAGE, f"TP{rank}: first busy check {first}"
+        # one page for the health check's token (and, speculating, its draft window: one more)
+        assert first[1] + first[2] == total and first[2] <= PAGE * (2 if sc.speculative else 1), f"TP{rank}: first busy check {first}"
         assert again == first, f"TP{rank}: after the workload (total, available, uncached) = {again}, at startup {first}"
         assert low < total // 4, f"TP{rank}: the pool never ran low (min free {low})"
 

@@ -18,10 +18,11 @@ runs where:
 ``--helix-kvp-chunk-size 4`` with a chain of 3 (4 draft tokens): every verify and every draft
 chain crosses an ownership boundary.
 
-Checked (default tier, one server): greedy tokens and logprobs equal plain TP's (no speculation)
-over the batched ``/generate``, the OpenAI probe (completions, stream, chat, streamed chat) and
-the ~300-token prompt; the accept length is reported and > 1 (the target as its own draft); a
-sampled request runs; an aborted and a disconnected stream; then upstream's KV checks on every
+Checked (default tier, one Helix server): greedy tokens and logprobs equal plain TP's (no
+speculation) over the batched ``/generate``, the OpenAI probe (completions, stream, chat, streamed
+chat) and the ~300-token prompt; the accept length is reported and > 1 (the target as its own
+draft), and per prompt the verifies and accepted drafts equal plain TP + the same speculation's
+(the draft under Helix proposes the same tokens); a sampled request runs; an aborted and a disconnected stream; then upstream's KV checks on every
 rank (``kv_checks.DEBUG_ENV``): none fired, and every rank's free count after the run equals its
 count at startup. Full tier: EAGLE, KVP 4, and the scripted retraction/abort scenario of
 ``test_helix_kv_leak.py`` with speculation on.
@@ -35,7 +36,7 @@ import time
 
 import pytest
 
-from conftest import FULL, GQA, start_server, stop_server
+from conftest import FULL, GQA, run_workload, start_server, stop_server
 from sglang_helix.testing.kv_checks import DEBUG_ENV, busy_counts, fired_checks, get, wait_idle
 from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_generation, assert_same_probe, long_completion, probe
 from sglang_helix.testing.tiny_models import write_tiny_eagle_draft
@@ -126,6 +127,12 @@ def test_helix_standalone_serves_plain_tp_tokens(model_dir, server_log_dir):
     assert_same_probe(ref["probe"], got["probe"], LOGPROB_ATOL, "Helix STANDALONE")
     assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, "Helix STANDALONE long prompt")
     assert assert_speculated(got["generate"], "Helix KVP 2 STANDALONE") > 1.0
+    # The draft under Helix proposes what plain TP's draft proposes: the same accepted drafts and
+    # verifies per prompt as plain TP + the same speculation (test_spec_baseline_e2e's run).
+    plain_spec = run_workload(model, spec_args("STANDALONE", model), BACKEND, server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, plain_spec, model, "plain TP STANDALONE")
+    counts = lambda results: [(r["meta"]["spec_verify_ct"], r["meta"]["spec_num_correct_drafts"]) for r in results]  # noqa: E731
+    assert counts(got["generate"]) == counts(plain_spec)
     for r in got["sampled"]:
         assert r["meta_info"]["completion_tokens"] == 12 and r["meta_info"].get("spec_verify_ct", 0) > 0, r["meta_info"]
     assert got["closed_after"] == 3

@@ -18,6 +18,10 @@ keys this rank owns at positions <= p; a rank that owns none returns output 0, L
   every rank does ~1/KVP of the prefill attention, the chunk's own part included
   (docs/helix-design.md, section 3).
 
+Speculative decoding (EAGLE / STANDALONE chains, torch_native): a target verify is a causal extend
+of the ``k + 1`` draft tokens over the committed prefix, and a draft decode step attends up to its
+own position (``kv_ends_of``, ``query_lens_of``); the draft model's attention is this one too.
+
 Per-batch index metadata (write rows, local KV lists): a Triton decode reads the lists the
 backend's metadata hooks filled in persistent buffers (``decode_state.py``: the same code eagerly
 and under CUDA-graph capture); an extend, and any torch_native step, builds them from the host
