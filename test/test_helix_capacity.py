@@ -69,8 +69,9 @@ def check_pool(run) -> None:
 
 
 @pytest.mark.e2e
-# The default run: K = 1 (the max(1, N/K)x case); K = 2 and K = 4 with HELIX_TEST_FULL=1.
-@pytest.mark.parametrize("layout", [pytest.param(x, id=layout_id(x), marks=() if x == HELIX_K1 else FULL) for x in HELIX])
+# Full tier (two servers per layout, ~165 s for K = 1): the default run checks the same numbers
+# without servers (test_helix_kv_cache.py: logical_token_capacity and the cell size; test_helix_memory.py).
+@pytest.mark.parametrize("layout", [pytest.param(x, id=layout_id(x), marks=FULL) for x in HELIX])
 def test_helix_global_capacity_vs_plain_tp(model_dir, server_log_dir, layout):
     plain = server_run(model_dir, server_log_dir, PLAIN_K4)
     helix = server_run(model_dir, server_log_dir, layout)

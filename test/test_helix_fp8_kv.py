@@ -93,7 +93,7 @@ def _forward_batch(mode, reqs, req_to_token):
     positions = torch.cat([torch.arange(p, n) for _, p, n in reqs])
     return SimpleNamespace(
         forward_mode=ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE,
-        req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq, positions=positions,
+        req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq, positions=positions, spec_info=None,
         out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
         extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
         extend_seq_lens=seq - prefix, extend_seq_lens_cpu=(seq - prefix).tolist(),

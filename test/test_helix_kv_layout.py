@@ -38,6 +38,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from conftest import FULL  # noqa: E402
+
 from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 
 if STUB_DIR not in sys.path:  # the allocator's imports pull in sgl_kernel
@@ -190,7 +192,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kvp,chunk,kernels,need_sort", CASES)
+# The interpreted Triton list kernel: need_sort=False cases in the full tier (the True ones run the same kernel).
+@pytest.mark.parametrize(
+    "kvp,chunk,kernels,need_sort",
+    [pytest.param(*c, marks=FULL) if c[2] == "triton" and not c[3] else c for c in CASES],
+)
 def test_scheduler_on_the_real_allocator(monkeypatch, kvp, chunk, kernels, need_sort):
     if kernels == "triton":
         _interpreted_alloc_kernels(monkeypatch)

@@ -123,7 +123,8 @@ def _scheduler(srv, tp_rank: int) -> psutil.Process:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("victim", [3, pytest.param(0, marks=FULL)])
+# Full tier (a server each, ~160 s): the default run's fault coverage is the KV checks of the soak.
+@pytest.mark.parametrize("victim", [pytest.param(3, marks=FULL), pytest.param(0, marks=FULL)])
 def test_rank_killed_mid_decode_exits_cleanly_and_restarts(model_dir, server_log_dir, victim):
     srv = _helix_server(model_dir, server_log_dir)  # the soak's, when it ran first
     before = _answer(srv.base_url)
