@@ -838,7 +838,7 @@ def test_head_dim_the_exchange_cannot_take_is_refused_at_launch(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Speculative decoding (issue 27): EAGLE / STANDALONE chain drafts on torch_native
+# Speculative decoding (issue 27): EAGLE / STANDALONE chain drafts on torch_native and triton
 # --------------------------------------------------------------------------------------------
 def _spec(draft: str, topk: int = 1, steps: int = 3) -> list:
     return [
@@ -857,22 +857,31 @@ def test_standalone_chain_on_torch_native_is_accepted(model):
     assert cfg.attention_backend == "torch_native" and cfg.helix_kvp_size == 2
 
 
+@pytest.mark.parametrize("draft_backend", [None, "triton", "torch_native"])
+def test_standalone_chain_on_triton_is_accepted(model, draft_backend):
+    """Triton serves it too, the draft on either Helix backend."""
+    extra = [] if draft_backend is None else ["--speculative-draft-attention-backend", draft_backend]
+    server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton", *_spec(model()), *extra])
+    cfg = view(server_args)
+    assert cfg.attention_backend == "triton" and cfg.speculative_algorithm == "STANDALONE"
+
+
 @pytest.mark.parametrize(
     "extra, feature, given, fix, why",
     [
         (["--speculative-eagle-topk", "2"], "tree drafts yet", "--speculative-eagle-topk 2",
          "Set --speculative-eagle-topk 1 (a chain draft)", _TREE_MASK),
-        (["--attention-backend", "triton"], "speculative decoding on --attention-backend triton yet",
-         "--speculative-algorithm STANDALONE --attention-backend triton",
-         "Use --attention-backend torch_native, or drop --speculative-algorithm",
-         "the Triton draft steps and verify do not run on the sequence-sharded KV yet"),
-        (["--speculative-draft-attention-backend", "triton"],
-         "speculative decoding on --speculative-draft-attention-backend triton yet",
-         "--speculative-algorithm STANDALONE --speculative-draft-attention-backend triton",
-         "Use --speculative-draft-attention-backend torch_native, or drop --speculative-algorithm",
-         "the Triton draft steps and verify do not run on the sequence-sharded KV yet"),
+        (["--speculative-draft-attention-backend", "flashinfer"],
+         "speculative decoding on --speculative-draft-attention-backend flashinfer yet",
+         "--speculative-algorithm STANDALONE --speculative-draft-attention-backend flashinfer",
+         "Use --speculative-draft-attention-backend triton or torch_native, or drop it",
+         "the draft's attention reads the same sequence-sharded KV pool"),
+        (["--attention-backend", "triton", "--helix-enable-cuda-graph"], "speculative decoding in CUDA graphs yet",
+         "--speculative-algorithm STANDALONE --helix-enable-cuda-graph",
+         "Drop --helix-enable-cuda-graph (speculation under Helix runs eagerly)",
+         "a draft step's local KV lists end at its position, sized on the host"),
     ],
-    ids=["tree", "triton", "draft-triton"],
+    ids=["tree", "draft-flashinfer", "cuda-graph"],
 )  # fmt: skip
 def test_speculative_refusals(model, extra, feature, given, fix, why):
     args = _spec(model())

@@ -215,7 +215,7 @@ def _batch(reqs, req_to_token):
     seq = torch.tensor([n for _, n in reqs])
     return SimpleNamespace(
         forward_mode=ForwardMode.DECODE, batch_size=len(reqs), req_pool_indices=slots, seq_lens=seq,
-        seq_lens_cpu=seq, positions=seq - 1,
+        seq_lens_cpu=seq, positions=seq - 1, spec_info=None,
         out_cache_loc=torch.stack([req_to_token[s, n - 1] for s, n in reqs]).long(),
     )  # fmt: skip
 
@@ -285,7 +285,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         return SimpleNamespace(
             forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=static.req_pool_indices[:bs],
             seq_lens=static.seq_lens[:bs], seq_lens_cpu=static.seq_lens[:bs], positions=static.seq_lens[:bs] - 1,
-            out_cache_loc=static.out_cache_loc[:bs],
+            out_cache_loc=static.out_cache_loc[:bs], spec_info=None,
         )  # fmt: skip
 
     def body(backend, batch):  # what the graph records: in-graph metadata prep + the layer

@@ -24,6 +24,7 @@ if STUB_DIR not in sys.path:
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.helix import decode_state  # noqa: E402
 from sglang.srt.layers.helix.decode_state import HelixDecodeState, graph_buffer_bytes  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 # (name, query heads Q, KV heads K, v_head_dim): the published config.json values.
 MODELS = {
@@ -88,6 +89,7 @@ def test_eager_decode_uses_the_one_charged_set():
     def batch(n):
         seq = torch.tensor([max_len - 1] * n)
         return SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, spec_info=None,
             req_pool_indices=torch.arange(n), seq_lens=seq, seq_lens_cpu=seq,
             out_cache_loc=req_to_token[torch.arange(n), seq - 1].long(),
         )  # fmt: skip

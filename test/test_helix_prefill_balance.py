@@ -39,6 +39,7 @@ if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
 
 from sglang.srt.layers.helix import kv_layout  # noqa: E402
 from sglang.srt.layers.helix.attention import HelixForwardMetadata, TritonExtendLists  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 CHUNK = 64
 PROMPT, PREFILL_CHUNK = 6000, 2048
@@ -50,6 +51,7 @@ def _forward_batch(reqs, req_to_token):
     prefix = torch.tensor([p for _, p, _ in reqs])
     seq = torch.tensor([n for _, _, n in reqs])
     return SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, spec_info=None,
         req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq,
         extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
         extend_seq_lens=seq - prefix, extend_seq_lens_cpu=(seq - prefix).tolist(),

@@ -1,6 +1,6 @@
 """Speculative decoding under Helix on the CPU harness (issue 27): real ``--tp 4`` servers.
 
-Helix serves EAGLE and STANDALONE chain drafts (``--speculative-eagle-topk 1``) on torch_native
+Helix serves EAGLE and STANDALONE chain drafts (``--speculative-eagle-topk 1``) on torch_native and triton
 (``docs/helix-flags.md``, "Speculative decoding"; the refusals are ``test_helix_args.py``'s). What
 runs where:
 
@@ -24,8 +24,10 @@ chat) and the ~300-token prompt; the accept length is reported and > 1 (the targ
 draft), and per prompt the verifies and accepted drafts equal plain TP + the same speculation's
 (the draft under Helix proposes the same tokens); a sampled request runs; an aborted and a disconnected stream; then upstream's KV checks on every
 rank (``kv_checks.DEBUG_ENV``): none fired, and every rank's free count after the run equals its
-count at startup. Full tier: EAGLE, KVP 4, and the scripted retraction/abort scenario of
-``test_helix_kv_leak.py`` with speculation on.
+count at startup. Full tier: EAGLE, KVP 4, triton (STANDALONE and EAGLE, interpreted kernels;
+``test_helix_spec_attention.py`` checks the same forwards on both backends in the default tier,
+without a server), and the scripted retraction/abort scenario of ``test_helix_kv_leak.py`` with
+speculation on.
 """
 
 from __future__ import annotations
@@ -80,11 +82,11 @@ def mixed_run(base_url: str) -> dict:
     return out
 
 
-def run_checked(model: str, args: list, log_dir: str, workload) -> tuple:
+def run_checked(model: str, args: list, log_dir: str, workload, backend: str = BACKEND) -> tuple:
     """Run ``workload`` on a server with upstream's KV checks on every rank; return its result and
     every rank's ``(total, available, uncached)`` at the first busy check after startup and after
     the workload (a health-check request each)."""
-    srv = start_server(model, args, BACKEND, log_dir, extra_env=DEBUG_ENV)
+    srv = start_server(model, args, backend, log_dir, extra_env=DEBUG_ENV)
     try:
         wait_idle(srv.base_url)
         result = workload(srv.base_url)
@@ -166,3 +168,34 @@ def test_helix_kvp4_standalone_serves_plain_tp_tokens(model_dir, server_log_dir)
     assert assert_speculated(got, "Helix KVP 4 STANDALONE") > 1.0
     assert_every_rank_back(before, after, 4)
 
+
+
+def triton_run(base_url: str) -> dict:
+    """Interpreted Triton: the batched ``/generate``, the ~300-token prompt and a sampled request."""
+    return {"generate": generate(base_url), "long": long_completion(base_url), "sampled": sampled(base_url)}
+
+
+@pytest.mark.e2e
+@FULL
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+def test_helix_triton_serves_plain_tp_tokens(model_dir, server_log_dir, tmp_path_factory, algorithm):
+    """Triton (kernels interpreted, ~10 min a server): the verify is the three-call extend over
+    the owned keys, each draft step's decode lists end at its position (filled by its first
+    layer). Plain TP's tokens and logprobs, the target-as-draft's verifies and accepted drafts per
+    prompt equal to plain TP + the same speculation's, every rank's KV back."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    draft = model if algorithm == "STANDALONE" else write_tiny_eagle_draft(str(tmp_path_factory.mktemp("eagle") / "draft"), GQA)
+    got, before, after = run_checked(model, helix_spec_args(algorithm, draft, 2), server_log_dir, triton_run, "triton")
+    what = f"Helix triton {algorithm}"
+    assert_generate_matches(ref["probe"].completions, got["generate"], model, what)
+    assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, what + " long prompt")
+    length = assert_speculated(got["generate"], what)
+    assert length > 1.0 if algorithm == "STANDALONE" else length >= 1.0  # the target as its own draft: accepted
+    for r in got["sampled"]:
+        assert r["meta_info"]["completion_tokens"] == 12 and r["meta_info"].get("spec_verify_ct", 0) > 0, r["meta_info"]
+    if algorithm == "STANDALONE":
+        plain_spec = run_workload(model, spec_args("STANDALONE", model), BACKEND, server_log_dir, generate)
+        counts = lambda results: [(r["meta"]["spec_verify_ct"], r["meta"]["spec_num_correct_drafts"]) for r in results]  # noqa: E731
+        assert counts(got["generate"]) == counts(plain_spec)
+    assert_every_rank_back(before, after, 4)

@@ -487,7 +487,9 @@ PREFIX_TESTS = {
     "[Helix] Mixtral: qkv_proj over TPA, Helix attention before o_proj": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
-    "[Helix] EAGLE: the Llama draft head opts in as a draft": ["test/test_helix_args.py", "-m", "not e2e", "-k", "speculative"],
+    "[Helix] EAGLE: the Llama draft head opts in as a draft": [
+        "test/test_helix_args.py", "test/test_helix_spec_attention.py", "-m", "not e2e", "-k", "speculative",
+    ],
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from sglang.srt.arg_groups.helix_checks import raw, unsupported
+from sglang.srt.arg_groups.helix_checks import HELIX_ATTENTION_BACKENDS, raw, unsupported
 
 
 class Flag(NamedTuple):
@@ -187,13 +187,13 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
 # Speculative decoding under Helix (docs/helix-flags.md, "Speculative decoding"): a chain draft
 # (top-k 1) whose verify is a causal extend of the draft tokens over the sequence-sharded KV.
 HELIX_SPEC_ALGORITHMS = ("EAGLE", "STANDALONE")
-HELIX_SPEC_BACKENDS = ("torch_native",)
 _TREE_MASK = "its verify attends through a custom tree mask, which the sequence-sharded attention does not apply yet"
 
 
 def check_speculative(server_args: Any, cfg: Any) -> None:
     """Which ``--speculative-*`` settings Helix serves: EAGLE and STANDALONE chain drafts on
-    torch_native, the draft a Helix model too. Refuses the rest with one line naming the flag."""
+    torch_native and triton, eager, the draft a Helix model too. Refuses the rest with one line
+    naming the flag."""
     algorithm = cfg.speculative_algorithm
     if algorithm is None:
         return
@@ -210,16 +210,21 @@ def check_speculative(server_args: Any, cfg: Any) -> None:
             cfg, "tree drafts yet", [f"--speculative-eagle-topk {topk}"],
             "Set --speculative-eagle-topk 1 (a chain draft)", _TREE_MASK,
         )  # fmt: skip
-    for field in ("attention_backend", "speculative_draft_attention_backend"):
-        backend = getattr(cfg, field)
-        if backend is not None and backend not in HELIX_SPEC_BACKENDS:
-            flag = "--" + field.replace("_", "-")
-            unsupported(
-                cfg, f"speculative decoding on {flag} {backend} yet",
-                [f"--speculative-algorithm {algorithm}", f"{flag} {backend}"],
-                f"Use {flag} torch_native, or drop --speculative-algorithm",
-                "the Triton draft steps and verify do not run on the sequence-sharded KV yet",
-            )  # fmt: skip
+    draft_backend = cfg.speculative_draft_attention_backend  # the target's is checked with the Helix flags
+    if draft_backend is not None and draft_backend not in HELIX_ATTENTION_BACKENDS:
+        unsupported(
+            cfg, f"speculative decoding on --speculative-draft-attention-backend {draft_backend} yet",
+            [f"--speculative-algorithm {algorithm}", f"--speculative-draft-attention-backend {draft_backend}"],
+            "Use --speculative-draft-attention-backend triton or torch_native, or drop it",
+            "the draft's attention reads the same sequence-sharded KV pool",
+        )  # fmt: skip
+    if getattr(cfg, "helix_enable_cuda_graph", False):
+        unsupported(
+            cfg, "speculative decoding in CUDA graphs yet",
+            [f"--speculative-algorithm {algorithm}", "--helix-enable-cuda-graph"],
+            "Drop --helix-enable-cuda-graph (speculation under Helix runs eagerly)",
+            "a draft step's local KV lists end at its position, sized on the host",
+        )  # fmt: skip
     _check_draft_model(cfg)
 
 

@@ -18,9 +18,11 @@ keys this rank owns at positions <= p; a rank that owns none returns output 0, L
   every rank does ~1/KVP of the prefill attention, the chunk's own part included
   (docs/helix-design.md, section 3).
 
-Speculative decoding (EAGLE / STANDALONE chains, torch_native): a target verify is a causal extend
-of the ``k + 1`` draft tokens over the committed prefix, and a draft decode step attends up to its
-own position (``kv_ends_of``, ``query_lens_of``); the draft model's attention is this one too.
+Speculative decoding (EAGLE / STANDALONE chains, both backends): a target verify is a causal extend
+of the ``k + 1`` draft tokens over the committed prefix (``extend_lens_of``: the torch path and the
+three Triton extend calls alike), and a draft decode step attends up to its own position
+(``kv_ends_of``; on Triton its lists are filled by the step's first layer,
+``HelixDecodeState.prepare_draft_step``); the draft model's attention is this one too.
 
 Per-batch index metadata (write rows, local KV lists): a Triton decode reads the lists the
 backend's metadata hooks filled in persistent buffers (``decode_state.py``: the same code eagerly
@@ -122,12 +124,23 @@ def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
 def query_lens_of(forward_batch, batch_size: int) -> list:
     """Host ``[B]`` new tokens per request: 1 (decode), ``draft_token_num`` (target verify), or
     the extend's lengths."""
-    mode = forward_batch.forward_mode
-    if mode.is_decode():
+    if forward_batch.forward_mode.is_decode():
         return [1] * batch_size
-    if mode.is_target_verify():
-        return [forward_batch.spec_info.draft_token_num] * batch_size
-    return forward_batch.extend_seq_lens_cpu
+    return extend_lens_of(forward_batch)[3]
+
+
+def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, list]:
+    """``(prefix [B], prefix host list, new [B], new host list)`` of an extend-like forward: an
+    extend (a draft extend too) has them; a speculative target verify is an extend of the
+    ``draft_token_num`` draft tokens of each request over its committed ``seq_lens``."""
+    if forward_batch.forward_mode.is_target_verify():
+        drafts = forward_batch.spec_info.draft_token_num
+        prefix = forward_batch.seq_lens
+        return prefix, [int(x) for x in forward_batch.seq_lens_cpu], torch.full_like(prefix, drafts), [drafts] * prefix.shape[0]
+    return (
+        forward_batch.extend_prefix_lens, [int(x) for x in forward_batch.extend_prefix_lens_cpu],
+        forward_batch.extend_seq_lens, [int(x) for x in forward_batch.extend_seq_lens_cpu],
+    )  # fmt: skip
 
 
 @dataclass
@@ -157,14 +170,13 @@ class TritonExtendLists:
     def build(cls, forward_batch, meta: HelixForwardMetadata, pool: torch.Tensor) -> "TritonExtendLists":
         k, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
         device = forward_batch.seq_lens.device
-        prefix_cpu = [int(x) for x in forward_batch.extend_prefix_lens_cpu]
-        extend_cpu = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        prefix_lens, prefix_cpu, extend_lens, extend_cpu = extend_lens_of(forward_batch)
         slots = forward_batch.req_pool_indices
         qo = torch.zeros(len(extend_cpu) + 1, dtype=torch.int32, device=device)
-        torch.cumsum(forward_batch.extend_seq_lens, dim=0, out=qo[1:])
+        torch.cumsum(extend_lens, dim=0, dtype=torch.int32, out=qo[1:])
         prefix_total = kv_layout.total_local_len(prefix_cpu, k, n, c)
         prefix_indptr, prefix_indices, _ = kv_layout.local_kv_indices(
-            pool, slots, forward_batch.extend_prefix_lens, prefix_total, k, n, c
+            pool, slots, prefix_lens, prefix_total, k, n, c
         )
         request, start, length = kv_layout.extend_segments(prefix_cpu, extend_cpu, c)
         seg_total = kv_layout.total_local_len(start, k, n, c) - kv_layout.total_local_len(
@@ -174,7 +186,7 @@ class TritonExtendLists:
         seg_start = torch.tensor(start, dtype=torch.int64, device=device)
         seg_indptr, seg_indices, _ = kv_layout.local_kv_indices(
             pool, slots[request_t], seg_start, seg_total, k, n, c,
-            kv_starts=forward_batch.extend_prefix_lens.to(torch.int64)[request_t],
+            kv_starts=prefix_lens.to(torch.int64)[request_t],
         )  # fmt: skip
         seg_lens = torch.tensor(length, dtype=torch.int64, device=device)
         seg_qo = torch.zeros(len(length) + 1, dtype=torch.int32, device=device)
@@ -214,6 +226,8 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
             "only TritonAttnBackend and TorchNativeAttnBackend run under --helix-kvp-size > 1"
         )
     if triton and forward_batch.forward_mode.is_decode():
+        if forward_batch.spec_info is not None:  # a speculative draft step: lists end at its position
+            backend.helix_decode.prepare_draft_step(forward_batch, *kv_ends_of(forward_batch))
         meta = _decode_metadata(backend.helix_decode, q.shape[0])  # filled by the backend's hooks
     else:
         meta = HelixForwardMetadata.of(forward_batch)

@@ -120,6 +120,7 @@ class HelixDecodeMetadata:
     local_lens: torch.Tensor  # [B] this rank's KV length per request
     buffers: "HelixDecodeBuffers"
     splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
+    out_cache_loc: Optional[torch.Tensor] = None  # a speculative draft step's writes it was filled for
 
 
 class HelixDecodeBuffers:
@@ -208,6 +209,10 @@ def graph_buffer_bytes(kvc) -> int:
     return buffer_bytes(max_bs, capacity, num_heads, model_config.v_head_dim, model_config.dtype, splits, kvp)
 
 
+# HelixDecodeState.for_this_rank: the rank's state per request table (id -> state; the state holds the table)
+_RANK_STATES: dict = {}
+
+
 def _grow(need: int, have: int) -> int:
     """A buffer size that fits ``need``: ``have`` if it does, else at least double (few reallocations)."""
     return have if need <= have else max(need, 2 * have)
@@ -231,26 +236,33 @@ class HelixDecodeState:
 
     @classmethod
     def for_this_rank(cls, req_to_token: torch.Tensor) -> Optional["HelixDecodeState"]:
-        """This rank's state under Helix (``--helix-kvp-size`` > 1), else None."""
+        """This rank's state under Helix (``--helix-kvp-size`` > 1), else None: one per request
+        table, so the backends that share it share one buffer set (the one the pool sizing
+        charged): a speculative draft's per-step Triton backends use the target's request table
+        and run one at a time, each step filling the lists before its layers read them."""
         parallel = get_parallel()
         if not parallel.helix_enabled:
             return None
-        return cls(
-            req_to_token, parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size,
-            reserved_batch(),
-        )  # fmt: skip
+        state = _RANK_STATES.get(id(req_to_token))
+        if state is None or state.req_to_token is not req_to_token:
+            state = _RANK_STATES[id(req_to_token)] = cls(
+                req_to_token, parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size,
+                reserved_batch(),
+            )  # fmt: skip
+        return state
 
     # -- the one implementation -----------------------------------------------------------
 
-    def fill(self, buffers: HelixDecodeBuffers, forward_batch) -> HelixDecodeMetadata:
-        """Write the batch's lists into ``buffers`` in place: device ops, shapes from ``[B]``/``[T]``."""
+    def fill(self, buffers: HelixDecodeBuffers, forward_batch, kv_ends: Optional[torch.Tensor] = None) -> HelixDecodeMetadata:
+        """Write the batch's lists into ``buffers`` in place: device ops, shapes from ``[B]``/``[T]``.
+        Each request lists the positions ``[0, kv_ends)`` this rank owns (default ``seq_lens``)."""
         k, n, c = self.kvp_rank, self.kvp_size, self.chunk
         num_tokens = forward_batch.out_cache_loc.shape[0]
         batch = forward_batch.req_pool_indices.shape[0]
         rows = buffers.write_rows[:num_tokens]
         rows.copy_(write_rows(forward_batch.out_cache_loc, k, n, c))
         kv_indptr = buffers.kv_indptr[: batch + 1]
-        local_lens = local_kv_lens(forward_batch.seq_lens, k, n, c)  # [B]
+        local_lens = local_kv_lens(forward_batch.seq_lens if kv_ends is None else kv_ends, k, n, c)  # [B]
         torch.cumsum(local_lens, dim=0, dtype=torch.int32, out=kv_indptr[1:])
         if batch:
             create_triton_kv_indices_for_dcp_triton[(batch,)](
@@ -261,15 +273,24 @@ class HelixDecodeState:
 
     # -- eager ----------------------------------------------------------------------------
 
-    def prepare_eager(self, forward_batch) -> None:
-        """Eager decode: grow the eager buffers on the host if this batch needs it, then fill."""
+    def prepare_eager(self, forward_batch, kv_ends=None, kv_ends_cpu=None) -> None:
+        """Eager decode: grow the eager buffers on the host if this batch needs it, then fill.
+
+        A speculative draft step (a decode with ``spec_info``) is filled later, by
+        ``prepare_draft_step``: the multi-step draft backend prepares every step's backend before
+        the steps run, when neither the step's writes nor its positions are bound yet."""
+        if kv_ends is None and forward_batch.spec_info is not None:
+            self.metadata = None
+            return
+        if kv_ends is None:
+            kv_ends_cpu = forward_batch.seq_lens_cpu
         batch, num_tokens = forward_batch.req_pool_indices.shape[0], forward_batch.out_cache_loc.shape[0]
-        total = int(local_kv_lens(forward_batch.seq_lens_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum())
+        total = int(local_kv_lens(kv_ends_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum())
         if self.graph is None and self.reserved_bs:  # the charged set, at the first decode
             self.graph = self._buffers(self.reserved_bs, self.req_to_token.shape[1])
         graph = self.graph
         if graph is not None and max(batch, num_tokens) <= graph.max_bs and total <= graph.capacity:
-            self.metadata = self.fill(graph, forward_batch)  # one set of buffers, not two
+            self.metadata = self.fill(graph, forward_batch, kv_ends)  # one set of buffers, not two
             return
         eager = self.eager
         if eager is None or num_tokens > eager.max_bs or batch > eager.max_bs or total > eager.capacity:
@@ -278,7 +299,16 @@ class HelixDecodeState:
                 _grow(max(batch, num_tokens), have_bs), _grow(max(total, 1), have_capacity),
                 self.kvp_size, self.device, fixed=False,
             )  # fmt: skip
-        self.metadata = self.fill(eager, forward_batch)
+        self.metadata = self.fill(eager, forward_batch, kv_ends)
+
+    def prepare_draft_step(self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu) -> None:
+        """A speculative draft decode step (eager): its lists end at each request's position + 1
+        (``kv_ends``), past ``seq_lens``. Filled by the step's first layer; each step binds new
+        ``out_cache_loc``, so a new one is a new step."""
+        meta = self.metadata
+        if meta is None or meta.out_cache_loc is not forward_batch.out_cache_loc:
+            self.prepare_eager(forward_batch, kv_ends, kv_ends_cpu)
+            self.metadata.out_cache_loc = forward_batch.out_cache_loc
 
     # -- CUDA graph -----------------------------------------------------------------------
 

@@ -1,0 +1,186 @@
+"""Helix attention in the forwards of speculative decoding, both backends (issue 27).
+
+A chain draft's iteration runs three kinds of forward over the sequence-sharded KV:
+
+- the target verify (``TARGET_VERIFY``): the ``k + 1`` draft tokens of each request attend the
+  committed prefix (``seq_lens``) and causally each other -- an extend of ``draft_token_num``
+  tokens (``extend_lens_of``): the torch path, and on Triton the three extend calls;
+- the draft decode steps (``DECODE`` with ``spec_info``): step ``i`` attends positions
+  ``[0, seq_len + i]`` (``kv_ends_of``: position + 1). The multi-step draft backend prepares each
+  step's Triton backend before the steps run, so its lists are filled by the step's first layer
+  (``HelixDecodeState.prepare_draft_step``), once per step;
+- the draft extend (``DRAFT_EXTEND_V2``): an extend with its own prefix and extend lengths.
+
+Each case drives ``helix_attention`` on both ranks of a KVP = 2 layout (one fp32 pool per rank,
+Triton kernels under the interpreter), merges the ranks' partials with upstream's
+``dcp_lse_combine_triton`` (the All-to-All emulated as in ``test_helix_fp8_kv.py``), and compares
+with float64 attention over the stored K/V. ``CHUNK = 2`` and 4 draft tokens: every verify and
+every draft chain crosses ownership chunks.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are imported
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from test_helix_fp8_kv import BACKENDS, CHUNK, D, H, KVH, KVP, MAX_LEN, _layer, _reference  # noqa: E402
+from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
+from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.layers.helix import attention, kv_layout  # noqa: E402
+from sglang.srt.layers.helix.decode_state import HelixDecodeState, send_views  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: log(0) of empty KV
+
+DRAFTS = 4  # draft_token_num: a chain of 3 steps + the verified token
+SPEC = SimpleNamespace(draft_token_num=DRAFTS)
+
+
+def _batch(mode, reqs, req_to_token, step=0):
+    """``reqs``: ``(slot, committed seq_len, prefill prefix)`` per request. The fields Helix
+    attention reads of a prefill of ``[prefix, seq_len)``, a target verify, draft decode step
+    ``step``, or a draft extend (EAGLE v2: the ``DRAFTS`` tokens of the verify window over the
+    committed prefix, ``seq_lens`` past them). Returns it and its ``(slot, start, end)`` spans."""
+    slots = torch.tensor([s for s, _, _ in reqs])
+    seq = torch.tensor([n for _, n, _ in reqs])
+    if mode == "extend":  # a prefill of [prefix, seq_len)
+        spans = [(p, n) for _, n, p in reqs]
+        fields = dict(forward_mode=ForwardMode.EXTEND, spec_info=None)
+    elif mode == "draft_extend":  # EAGLE v2: the DRAFTS verify-window tokens over the prefix, seq_lens past them
+        spans = [(n, n + DRAFTS) for _, n, _ in reqs]
+        seq = seq + DRAFTS
+        fields = dict(forward_mode=ForwardMode.DRAFT_EXTEND_V2, spec_info=SPEC)
+    elif mode == "verify":
+        spans = [(n, n + DRAFTS) for _, n, _ in reqs]
+        fields = dict(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=SPEC)
+    else:  # draft decode step `step`: the token at seq_len + step
+        spans = [(n + step, n + step + 1) for _, n, _ in reqs]
+        fields = dict(forward_mode=ForwardMode.DECODE, spec_info=SPEC)
+    prefix = torch.tensor([a for a, _ in spans])
+    new = torch.tensor([b - a for a, b in spans])
+    if mode in ("extend", "draft_extend"):
+        fields.update(
+            extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
+            extend_seq_lens=new, extend_seq_lens_cpu=new.tolist(),
+        )  # fmt: skip
+    else:  # a verify or a decode has no extend lengths (ForwardBatch leaves them None)
+        fields.update(extend_prefix_lens=None, extend_prefix_lens_cpu=None, extend_seq_lens=None, extend_seq_lens_cpu=None)
+    batch = SimpleNamespace(
+        req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq.clone(),
+        positions=torch.cat([torch.arange(a, b) for a, b in spans]),
+        out_cache_loc=torch.cat([req_to_token[s, a:b] for (s, _, _), (a, b) in zip(reqs, spans)]).long(),
+        **fields,
+    )  # fmt: skip
+    return batch, [(s, a, b) for (s, _, _), (a, b) in zip(reqs, spans)]
+
+
+# (slot, committed seq_len, prefill prefix): a prefill, a verify, the draft's chain of 3 decode
+# steps, a draft extend; then the next iteration's verify and draft steps on the longer prefix.
+FORWARDS = [
+    ("extend", [(0, 7, 0), (1, 5, 0)], 0),
+    ("verify", [(0, 7, 0), (1, 5, 0)], 0),
+    ("draft", [(0, 7, 0), (1, 5, 0)], 0),
+    ("draft", [(0, 7, 0), (1, 5, 0)], 1),
+    ("draft", [(0, 7, 0), (1, 5, 0)], 2),
+    ("draft_extend", [(0, 7, 0), (1, 5, 0)], 0),
+    ("verify", [(0, 10, 0), (1, 6, 0)], 0),
+    ("draft", [(0, 10, 0), (1, 6, 0)], 0),
+    ("draft", [(0, 10, 0), (1, 6, 0)], 1),
+]
+
+
+@pytest.mark.parametrize("backend_name", ["torch_native", "triton"])
+def test_speculative_forwards_are_exact(monkeypatch, backend_name):
+    g = torch.Generator().manual_seed(1)
+    page = CHUNK * KVP
+    req_to_token = torch.zeros(2, MAX_LEN, dtype=torch.int32)
+    for slot in range(2):
+        req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
+    rows_per_rank = (2 * MAX_LEN + 1) * CHUNK
+    pools = [MHATokenToKVPool(rows_per_rank, 1, torch.float32, KVH, D, 1, "cpu", enable_memory_saver=False) for _ in range(KVP)]
+    backends = [BACKENDS[backend_name](pools[r], req_to_token) for r in range(KVP)]
+    for r, backend in enumerate(backends):  # one per rank, kept across forwards as a server's is
+        backend.helix_decode = HelixDecodeState(req_to_token, r, KVP, CHUNK)
+    layer = _layer(None)
+    partials = []
+    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce", lambda out, lse, group: partials.append((out, lse)) or out)
+
+    def merge_packed(send, recv, T, group):  # a Triton decode: partials in the send layout
+        out, lse = send_views(send, D)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
+        partials.append((out.transpose(0, 1).reshape(T, H, D).clone(), lse.transpose(0, 1).reshape(T, H).clone()))
+        return partials[-1][0]
+
+    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce_packed", merge_packed)
+    filled = {r: 0 for r in range(KVP)}
+    for r, backend in enumerate(backends):  # count the list fills of draft steps (once per step, not per layer)
+        real = backend.helix_decode.prepare_eager
+
+        def counted(fb, kv_ends=None, kv_ends_cpu=None, real=real, r=r):
+            filled[r] += kv_ends is not None
+            return real(fb, kv_ends, kv_ends_cpu)
+
+        backend.helix_decode.prepare_eager = counted
+
+    for mode, reqs, step in FORWARDS:
+        batches = [_batch(mode, reqs, req_to_token, step) for _ in range(KVP)]
+        spans = batches[0][1]
+        T = sum(b - a for _, a, b in spans)
+        q = torch.randn(T, H, D, generator=g)
+        k = torch.randn(T, KVH, D, generator=g)
+        v = torch.randn(T, KVH, D, generator=g)
+        partials.clear()
+        for r in range(KVP):
+            parallel = SimpleNamespace(helix_kvp_rank=r, helix_kvp_size=KVP, helix_kvp_chunk_size=CHUNK, helix_kvp_group=None)
+            monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
+            monkeypatch.setattr(attention, "get_attn_backend", lambda backend=backends[r]: backend)
+            batch = batches[r][0]
+            if backend_name == "triton" and mode == "draft":  # the multi-step backend's init, before the step
+                backends[r].helix_decode.prepare_eager(batch)
+                assert backends[r].helix_decode.metadata is None
+            before = dict(filled)
+            for _ in range(2):  # two layers of one forward: the second reuses the first's lists
+                attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch)
+            if backend_name == "triton" and mode == "draft":
+                assert filled[r] == before[r] + 1, "a draft step's lists are filled once, by its first layer"
+
+        keys = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
+        values = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
+        for slot, _, end in spans:  # the stored K/V, each position read from its owner's pool
+            locs = req_to_token[slot, :end].long()
+            for pos in range(end):
+                owner = (pos // CHUNK) % KVP
+                rows = kv_layout.write_rows(locs, owner, KVP, CHUNK)
+                keys[slot][pos] = pools[owner].get_key_buffer(0)[rows[pos]].float()
+                values[slot][pos] = pools[owner].get_value_buffer(0)[rows[pos]].float()
+        second = partials[1::2]  # per rank, its second layer's partials (rank by rank, two layers each)
+        assert len(second) == KVP
+        out, _ = dcp_lse_combine_triton(torch.stack([o for o, _ in second]), torch.stack([lse for _, lse in second]))
+        ref = _reference(q, keys, values, spans)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0, msg=lambda m: f"{mode} step {step} {reqs}: {m}")
+
+
+def test_draft_step_backends_share_the_ranks_decode_buffers(monkeypatch):
+    """Every Triton backend of a rank over one request table (the target's, and a speculative
+    draft's per-step backends, which run one at a time) gets the same ``HelixDecodeState``: one
+    buffer set, the one the KV pool sizing charged, not one per draft step."""
+    from sglang.srt.layers.helix import decode_state
+
+    parallel = SimpleNamespace(helix_enabled=True, helix_kvp_rank=1, helix_kvp_size=KVP, helix_kvp_chunk_size=CHUNK)
+    monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
+    monkeypatch.setattr(decode_state, "reserved_batch", lambda: 4)
+    monkeypatch.setattr(decode_state, "_RANK_STATES", {})
+    table = torch.zeros(2, MAX_LEN, dtype=torch.int32)
+    states = [HelixDecodeState.for_this_rank(table) for _ in range(3)]  # target + two draft steps
+    assert states[0] is states[1] is states[2]
+    assert (states[0].kvp_rank, states[0].reserved_bs) == (1, 4)
+    other = HelixDecodeState.for_this_rank(torch.zeros(2, MAX_LEN, dtype=torch.int32))
+    assert other is not states[0]
+    parallel.helix_enabled = False
+    assert HelixDecodeState.for_this_rank(table) is None
