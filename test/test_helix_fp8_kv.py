@@ -129,6 +129,36 @@ KV_CACHES = {
 }
 
 
+def paged_table_and_pools(kv_dtype):
+    """``req_to_token [2, MAX_LEN]`` of logical locs, paged as the Helix allocator pages them
+    (``loc % page == pos % page``, page 0 reserved), and one ``MHATokenToKVPool`` per KVP rank."""
+    page = CHUNK * KVP
+    req_to_token = torch.zeros(2, MAX_LEN, dtype=torch.int32)
+    for slot in range(2):
+        req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
+    rows_per_rank = (2 * MAX_LEN + 1) * CHUNK
+    pools = [
+        MHATokenToKVPool(rows_per_rank, 1, kv_dtype, KVH, D, 1, "cpu", enable_memory_saver=False)
+        for _ in range(KVP)
+    ]  # fmt: skip
+    return req_to_token, pools
+
+
+def capture_partials(monkeypatch) -> list:
+    """Replace the All-to-All + merge: every call appends its rank's ``(out [T, H, D], lse [T, H])``
+    to the returned list (a Triton decode's from the send layout) and returns ``out``."""
+    partials = []
+    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce", lambda out, lse, group: partials.append((out, lse)) or out)
+
+    def merge_packed(send, recv, T, group):  # a Triton decode: partials in the send layout
+        out, lse = send_views(send, D)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
+        partials.append((out.transpose(0, 1).reshape(T, H, D).clone(), lse.transpose(0, 1).reshape(T, H).clone()))
+        return partials[-1][0]
+
+    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce_packed", merge_packed)
+    return partials
+
+
 @pytest.mark.parametrize("kv_cache", list(KV_CACHES))
 @pytest.mark.parametrize("backend_name", ["torch_native", "triton", "torch_native-blocked"])
 def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
@@ -138,27 +168,9 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
     kv_dtype, rounding, scales = KV_CACHES[kv_cache]
     k_scale, v_scale = scales or (1.0, 1.0)
     g = torch.Generator().manual_seed(0)
-    page = CHUNK * KVP
-    # Logical locs, paged as the Helix allocator pages them (loc % page == pos % page); page 0 reserved.
-    req_to_token = torch.zeros(2, MAX_LEN, dtype=torch.int32)
-    for slot in range(2):
-        req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
-    rows_per_rank = (2 * MAX_LEN + 1) * CHUNK
-    pools = [
-        MHATokenToKVPool(rows_per_rank, 1, kv_dtype, KVH, D, 1, "cpu", enable_memory_saver=False)
-        for _ in range(KVP)
-    ]  # fmt: skip
+    req_to_token, pools = paged_table_and_pools(kv_dtype)
     layer = _layer(scales)
-    partials = []
-    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce", lambda out, lse, group: partials.append((out, lse)) or out)
-
-    def merge_packed(send, recv, T, group):  # a Triton decode: partials in the send layout
-        head_dim = D
-        out, lse = send_views(send, head_dim)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
-        partials.append((out.transpose(0, 1).reshape(T, H, head_dim).clone(), lse.transpose(0, 1).reshape(T, H).clone()))
-        return partials[-1][0]
-
-    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce_packed", merge_packed)
+    partials = capture_partials(monkeypatch)
     keys = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}  # what attention should see, by (slot, pos)
     values = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
 

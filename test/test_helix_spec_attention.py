@@ -29,12 +29,13 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from test_helix_fp8_kv import BACKENDS, CHUNK, D, H, KVH, KVP, MAX_LEN, _layer, _reference  # noqa: E402
+from test_helix_fp8_kv import (  # noqa: E402
+    BACKENDS, CHUNK, D, H, KVH, KVP, MAX_LEN, _layer, _reference, capture_partials, paged_table_and_pools,
+)  # fmt: skip
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.helix import attention, kv_layout  # noqa: E402
-from sglang.srt.layers.helix.decode_state import HelixDecodeState, send_views  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: log(0) of empty KV
@@ -99,25 +100,12 @@ FORWARDS = [
 @pytest.mark.parametrize("backend_name", ["torch_native", "triton"])
 def test_speculative_forwards_are_exact(monkeypatch, backend_name):
     g = torch.Generator().manual_seed(1)
-    page = CHUNK * KVP
-    req_to_token = torch.zeros(2, MAX_LEN, dtype=torch.int32)
-    for slot in range(2):
-        req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
-    rows_per_rank = (2 * MAX_LEN + 1) * CHUNK
-    pools = [MHATokenToKVPool(rows_per_rank, 1, torch.float32, KVH, D, 1, "cpu", enable_memory_saver=False) for _ in range(KVP)]
+    req_to_token, pools = paged_table_and_pools(torch.float32)
     backends = [BACKENDS[backend_name](pools[r], req_to_token) for r in range(KVP)]
     for r, backend in enumerate(backends):  # one per rank, kept across forwards as a server's is
         backend.helix_decode = HelixDecodeState(req_to_token, r, KVP, CHUNK)
     layer = _layer(None)
-    partials = []
-    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce", lambda out, lse, group: partials.append((out, lse)) or out)
-
-    def merge_packed(send, recv, T, group):  # a Triton decode: partials in the send layout
-        out, lse = send_views(send, D)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
-        partials.append((out.transpose(0, 1).reshape(T, H, D).clone(), lse.transpose(0, 1).reshape(T, H).clone()))
-        return partials[-1][0]
-
-    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce_packed", merge_packed)
+    partials = capture_partials(monkeypatch)
     filled = {r: 0 for r in range(KVP)}
     for r, backend in enumerate(backends):  # count the list fills of draft steps (once per step, not per layer)
         real = backend.helix_decode.prepare_eager

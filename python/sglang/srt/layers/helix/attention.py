@@ -124,9 +124,12 @@ def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
 def query_lens_of(forward_batch, batch_size: int) -> list:
     """Host ``[B]`` new tokens per request: 1 (decode), ``draft_token_num`` (target verify), or
     the extend's lengths."""
-    if forward_batch.forward_mode.is_decode():
+    mode = forward_batch.forward_mode
+    if mode.is_decode():
         return [1] * batch_size
-    return extend_lens_of(forward_batch)[3]
+    if mode.is_target_verify():
+        return [forward_batch.spec_info.draft_token_num] * batch_size
+    return forward_batch.extend_seq_lens_cpu
 
 
 def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, list]:
@@ -226,9 +229,10 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
             "only TritonAttnBackend and TorchNativeAttnBackend run under --helix-kvp-size > 1"
         )
     if triton and forward_batch.forward_mode.is_decode():
-        if forward_batch.spec_info is not None:  # a speculative draft step: lists end at its position
-            backend.helix_decode.prepare_draft_step(forward_batch, *kv_ends_of(forward_batch))
-        meta = _decode_metadata(backend.helix_decode, q.shape[0])  # filled by the backend's hooks
+        state = backend.helix_decode
+        if forward_batch.spec_info is not None and not state.holds_draft_step(forward_batch):
+            state.prepare_draft_step(forward_batch, *kv_ends_of(forward_batch))  # lists end at its position
+        meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
     else:
         meta = HelixForwardMetadata.of(forward_batch)
     if forward_batch.forward_mode.is_extend() and _kv_scales(layer, kv_pool, k.dtype):

@@ -301,14 +301,16 @@ class HelixDecodeState:
             )  # fmt: skip
         self.metadata = self.fill(eager, forward_batch, kv_ends)
 
+    def holds_draft_step(self, forward_batch) -> bool:
+        """Whether ``metadata`` was filled for this speculative draft step: each step binds new
+        ``out_cache_loc``, so the step's first layer fills and the others reuse."""
+        return self.metadata is not None and self.metadata.out_cache_loc is forward_batch.out_cache_loc
+
     def prepare_draft_step(self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu) -> None:
         """A speculative draft decode step (eager): its lists end at each request's position + 1
-        (``kv_ends``), past ``seq_lens``. Filled by the step's first layer; each step binds new
-        ``out_cache_loc``, so a new one is a new step."""
-        meta = self.metadata
-        if meta is None or meta.out_cache_loc is not forward_batch.out_cache_loc:
-            self.prepare_eager(forward_batch, kv_ends, kv_ends_cpu)
-            self.metadata.out_cache_loc = forward_batch.out_cache_loc
+        (``kv_ends``), past ``seq_lens``."""
+        self.prepare_eager(forward_batch, kv_ends, kv_ends_cpu)
+        self.metadata.out_cache_loc = forward_batch.out_cache_loc
 
     # -- CUDA graph -----------------------------------------------------------------------
 
