@@ -19,20 +19,21 @@ one):
   LSE         logsumexp of the per-split LSE                           triton_backend.py:2462-2468
   merge       cp_lse_ag_out_rs_mha, its collectives emulated           layers/dcp/comm.py:56-82
 
-with two layouts of the K/V a rank's ``qkv_proj`` produces: ``llama`` (sharded over "tp",
-models/llama.py:181-214) and ``qwen3_5`` (replicated within the DCP group,
-models/qwen3_5.py:1287-1288, 1330-1341: upstream's GQA KV-head fix, wired only into Qwen3.5).
+with two layouts of the K/V a rank's ``qkv_proj`` produces: ``qwen3_5`` (replicated within the DCP
+group, models/qwen3_5.py:1287-1288, 1330-1341: upstream's GQA KV-head fix, wired only into Qwen3.5)
+and ``llama``, the series' Llama (its first patch: ``kv_parallel_group`` from
+``linear.dcp_kv_partition``, the same fix made one helper for every family the series touches).
+0.5.23's own Llama shards K/V over all tp ranks, which was wrong at --tp 2 --dcp-size 2 and
+--tp 4 --dcp-size 4 (K * dcp > tp: query heads 4-7 came out exactly 0; measured 2026-11-24).
 
 **Helix** (``--tp N --helix-kvp-size KVP``): its own pieces: ``qkv_proj`` over TPA (the KV heads of
 ``tpa_rank``), the K/V of the positions a KVP rank owns (DCP's layout with interleave 4), the
 decode kernel's merged-LSE output over them for all Q/TPA heads, and ``dcp_lse_combine_triton`` over the
 KVP group of the head slice each rank receives in the All-to-All (``tp_rank * Q/N ...``).
 
-Results (2026-11-24, docs/upstream-pr.md): DCP is exact with ``qwen3_5``'s layout and with Llama's
-at --tp 4 --dcp-size 2 (K * dcp <= tp), and wrong for Llama at --tp 2 --dcp-size 2 and --tp 4
---dcp-size 4: query heads 4-7 come out exactly 0. Helix is exact at every layout. With the series'
-first patch (``[DCP] Refuse --dcp-size ...``) the launch refuses exactly the wrong rows ("launch
-refused"), on every platform.
+Results (2026-11-25, docs/upstream-pr.md): DCP is exact at every layout with both ``qwen3_5``'s
+and the series' Llama K/V partition, and the launch check accepts both; Helix is exact at every
+layout.
 """
 
 
@@ -157,6 +158,19 @@ def launch_check(tp: int, dcp: int, layout: str) -> str:
     return "accepted"
 
 
+def llama_kv_partition(tp: int, dcp: int):
+    """``dcp_kv_partition(tp)`` (layers/linear.py, the series' first patch) at ``--dcp-size dcp``:
+    what LlamaAttention passes its qkv_proj as ``kv_parallel_group``, and the K/V TP width."""
+    from sglang.srt.layers import linear
+
+    published = linear.get_parallel
+    linear.get_parallel = lambda: types.SimpleNamespace(attn_dcp_size=dcp)
+    try:
+        return linear.dcp_kv_partition(tp)
+    finally:
+        linear.get_parallel = published
+
+
 def run(tp: int, dcp: int, layout: str) -> None:
     ref = reference()
     n_pool = pool_heads(tp, dcp)
@@ -166,8 +180,9 @@ def run(tp: int, dcp: int, layout: str) -> None:
         q_all = torch.cat([Q_FULL[r * Q // tp:(r + 1) * Q // tp] for r in members])[None].contiguous()
         outs, lses = [], []
         for r in members:
-            if layout == "llama":
-                heads = kv_heads_of(r, tp)
+            if layout == "llama":  # the series' Llama: qkv_proj's K/V partition from dcp_kv_partition
+                group, kv_tp = llama_kv_partition(tp, dcp)
+                heads = kv_heads_of(r // (group.replica_size if group else 1), kv_tp)
             else:
                 heads = kv_heads_of(r // dcp, tp // dcp)
             o, lse = rank_partial(q_all, heads, dcp, r % dcp, n_pool)  # dcp_rank = tp_rank % dcp

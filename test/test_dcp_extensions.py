@@ -161,9 +161,11 @@ def test_all_to_all_single_on_cpu_over_gloo():
 
 
 def test_dcp_kv_head_guard_refuses_what_corrupts_on_every_platform():
-    """``--dcp-size d`` at ``--tp t``: a GQA model whose qkv_proj shards K over t (Llama) is
-    refused when K * d > t (the pool would mix different KV heads), accepted otherwise; Qwen3.5
-    (K/V replicated in the DCP group) and MLA models are accepted. No platform is involved."""
+    """``--dcp-size d`` at ``--tp t``: a GQA model whose qkv_proj shards K over t is refused when
+    K * d > t (the pool would mix different KV heads), accepted otherwise; the families whose
+    qkv_proj replicates K/V inside the DCP group (``dcp_kv_partition``: Llama, Mistral, Qwen2,
+    Qwen3, Qwen3-MoE, Mixtral, declared in their own class body), Qwen3.5 and MLA models are
+    accepted at every layout. No platform is involved."""
     from types import SimpleNamespace
 
     from sglang.srt.arg_groups.attention_hook import _check_dcp_kv_head_layout
@@ -179,10 +181,12 @@ def test_dcp_kv_head_guard_refuses_what_corrupts_on_every_platform():
         )  # fmt: skip
 
     for tp, dcp in ((4, 2), (8, 4), (2, 1)):  # K = 2: K * dcp <= tp
-        _check_dcp_kv_head_layout(tp, dcp, config("LlamaForCausalLM"))
-    for tp, dcp in ((2, 2), (4, 4), (8, 8)):  # K * dcp > tp: silently wrong before the patch
+        _check_dcp_kv_head_layout(tp, dcp, config("GemmaForCausalLM"))
+    for tp, dcp in ((2, 2), (4, 4), (8, 8)):  # K * dcp > tp: silently wrong in 0.5.23
         with pytest.raises(ValueError, match=f"--dcp-size {dcp} at --tp-size {tp}"):
-            _check_dcp_kv_head_layout(tp, dcp, config("LlamaForCausalLM"))
+            _check_dcp_kv_head_layout(tp, dcp, config("GemmaForCausalLM"))
+        for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"):
+            _check_dcp_kv_head_layout(tp, dcp, config(arch))
         _check_dcp_kv_head_layout(tp, dcp, config("Qwen3_5ForCausalLM"))
         _check_dcp_kv_head_layout(tp, dcp, config("DeepseekV3ForCausalLM", k=128, mla=True))
 

@@ -30,6 +30,8 @@ from sglang.srt.distributed.parallel_state import dcp_group_ranks
 # The Helix process-group patch is in the tree under test. Where the Helix modules are (the full
 # series), it must be: only a prefix of the series before that patch lacks it.
 HELIX_GROUP = hasattr(parallel_state, "_HELIX_KVP")
+# The CPU engine builds DCP groups (the patch "[CPU] Decode context parallel groups on the CPU engine").
+DCP_ON_CPU = "_is_xpu or _is_cpu" in open(parallel_state.__file__).read()
 
 
 def test_the_helix_group_is_built_where_helix_is():
@@ -80,7 +82,7 @@ def _check_group(group, rank, ranks):
     assert x.item() == sum(ranks)
 
 
-def _publish(world, tp, kvp):
+def _publish(world, tp, kvp, dcp=1):
     """The widths initialize_model_parallel reads, as a launcher publishes them."""
     from sglang.srt.runtime_context import get_parallel
 
@@ -89,8 +91,8 @@ def _publish(world, tp, kvp):
     parallel.override_permanently(world_group=parallel_state._WORLD)
     parallel.override_permanently(
         tp_size=tp, pp_size=world // tp, attn_tp_size=tp, attn_dp_size=1, attn_cp_size=1,
-        attn_dcp_size=1, moe_ep_size=1, moe_dp_size=1, moe_tp_size=tp, shared_experts_tp_size=tp,
-        helix_kvp_size=kvp,
+        attn_dcp_size=dcp, moe_ep_size=1, moe_dp_size=1, moe_tp_size=tp, shared_experts_tp_size=tp,
+        **({"helix_kvp_size": kvp} if HELIX_GROUP else {}),
     )  # fmt: skip
     return parallel
 
@@ -110,6 +112,15 @@ def _worker(rank, world, init_file):
             group = parallel_state.init_model_parallel_group(all_ranks, rank, "gloo", group_name="helix_kvp")
             _check_group(group, rank, [r for r in all_ranks if rank in r][0])
             group.destroy()
+        if DCP_ON_CPU:
+            # The DCP group on the CPU engine ("[CPU] Decode context parallel groups"): --tp 4
+            # --dcp-size 2 builds two gloo groups of consecutive TP ranks, published as dcp_group.
+            parallel = _publish(world, 4, 1, dcp=2)
+            parallel_state.initialize_model_parallel(backend="gloo")
+            assert parallel.dcp_group is parallel_state._DCP
+            _check_group(parallel_state._DCP, rank, [r for r in range(world) if r // 2 == rank // 2])
+            dist.barrier()
+            parallel_state.destroy_model_parallel()
         if HELIX_GROUP:
             # 2. As the runtime builds it, initialize_model_parallel from the published widths.
             # KVP 1 (first, while nothing is published): no group is built, none is published.
@@ -138,11 +149,18 @@ def _worker(rank, world, init_file):
         parallel_state.destroy_distributed_environment()
 
 
-def test_real_gloo_groups():
+def test_real_gloo_groups(monkeypatch):
     world = 4
+    # The CPU engine, as the servers run it (DCP_ON_CPU), with its sgl_kernel import stub.
+    from sglang_helix.testing.cpu_env import STUB_DIR
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (STUB_DIR, os.environ.get("PYTHONPATH")) if p))
     # The forkserver imports these once for all children (initialize_model_parallel imports the
     # sampler, a large import).
-    preload = ["sglang.srt.distributed.parallel_state"] + (["sglang.srt.layers.sampler"] if HELIX_GROUP else [])
+    preload = ["sglang.srt.distributed.parallel_state"] + (
+        ["sglang.srt.layers.sampler"] if HELIX_GROUP or DCP_ON_CPU else []
+    )
     mp.set_forkserver_preload(preload)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(

@@ -430,8 +430,8 @@ def upstream_branch(series: Series, checkout: Path, branch: str) -> str:
 # The tests each patch brings into force, run at the prefix that ends with it (pytest arguments,
 # relative to the repository; keyed by the patch subject). The whole suite runs on the full series.
 PREFIX_TESTS = {
-    "[DCP] Refuse --dcp-size where a GQA model's DCP group would hold different KV heads": [
-        "test/test_dcp_extensions.py", "-k", "guard",
+    "[DCP] GQA models replicate K/V inside the DCP group": [
+        "test/test_dcp_extensions.py", "test/test_dcp_gqa.py", "-m", "not e2e", "-k", "guard or kv_partition",
     ],
     "[DCP] KV index kernel: an interleave_size, as get_dcp_lens has": [
         "test/test_dcp_extensions.py", "-k", "lists_follow",
@@ -460,6 +460,8 @@ PREFIX_TESTS = {
     "[Distributed] GroupCoordinator.all_to_all_single: direct path on CPU": [
         "test/test_dcp_extensions.py", "-k", "all_to_all_single",
     ],
+    "[CPU] Decode context parallel groups on the CPU engine": ["test/test_helix_groups.py"],
+    "[DCP] torch_native: decode context parallelism": ["test/test_dcp_gqa.py", "-k", "torch_attention or dcp4"],
     "[Helix] Server args: the Helix flags and their resolution step": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "kvp_size_below_one or tpa_size_negative or chunk_size_below_one or not_divisible_by_kvp or times_tpa "
@@ -496,6 +498,7 @@ PREFIX_TESTS = {
 _SERVER_ARGS = "[Helix] Server args: the Helix flags and their resolution step"
 _TRITON_BACKEND = "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks"
 NEW_MODULE_PATCHES = {
+    "sglang/srt/layers/dcp/torch_attention.py": "[DCP] torch_native: decode context parallelism",
     "sglang/srt/arg_groups/helix_checks.py": _SERVER_ARGS,
     "sglang/srt/arg_groups/helix_defaults.py": _SERVER_ARGS,
     "sglang/srt/arg_groups/helix_hook.py": _SERVER_ARGS,

@@ -1,0 +1,81 @@
+"""Decode context parallel (DCP) attention in plain torch: one rank's partial attention.
+
+Under ``--dcp-size D`` a rank stores the K/V of the tokens it owns (``localize_dcp_indices``:
+runs of ``interleave_size`` logical KV ids dealt round-robin over the DCP ranks, kept compactly
+at ``local row``), so it attends over its own shard and returns a partial output with its
+log-sum-exp; the DCP exchange (``cp_lse_ag_out_rs_mha`` or ``dcp_a2a_lse_reduce``) merges the
+partials into exact attention. These are the torch pieces of that partial: the torch_native
+backend's DCP path runs them on every forward, and they are the reference the Triton kernels'
+DCP paths are tested against.
+
+    dcp_owned_kv(locs [L], ...)             -> rows [l], positions [l]    the shard of one request
+    partial_attention(q [t, H, D], k [l, Hk, D], v [l, Hk, Dv], ...)
+                                            -> out [t, H, Dv], lse [t, H] fp32
+
+A query sees the keys at positions <= its own (``query_pos``; ``None``: every key, a decode);
+a rank that owns none of them returns output 0 and LSE ``-inf``, which both exchanges treat as
+an empty partial.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from sglang.srt.layers.dcp.layout import localize_dcp_indices
+
+# The most fp32 scores [Hk, g, t, l] held at once (128 MiB): queries go in blocks under it.
+_SCORE_ELEMS = 1 << 25
+
+
+def dcp_owned_kv(
+    locs: torch.Tensor, dcp_size: int, dcp_rank: int, interleave_size: int = 1, start: int = 0
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [l], positions [l])`` of the keys this rank owns among one request's logical KV
+    ids ``locs [L]`` at positions ``start, start + 1, ...``: their physical rows in this rank's
+    pool, and their positions (ascending)."""
+    local = localize_dcp_indices(locs.to(torch.int64), dcp_size, dcp_rank, interleave_size)
+    owned = local >= 0
+    positions = torch.arange(start, start + locs.shape[0], device=locs.device)
+    return local[owned], positions[owned]
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    query_pos: Optional[torch.Tensor] = None,
+    key_pos: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q [t, H, D]`` over ``k [l, Hk, D]`` / ``v [l, Hk, Dv]`` in fp32,
+    grouped by KV head (``H = Hk * g``: each KV head is read once for its ``g`` query heads).
+
+    ``query_pos [t]`` / ``key_pos [l]`` (ascending): causal, a query sees the keys at positions
+    <= its own; ``query_pos=None`` sees every key. Returns ``out [t, H, Dv]`` (``q``'s dtype) and
+    ``lse [t, H]`` (fp32, natural log; ``-inf`` and output 0 where no key is visible).
+    """
+    t, H, D = q.shape
+    num_kv_heads, group = k.shape[1], H // k.shape[1]
+    out = torch.zeros(t, H, v.shape[2], dtype=q.dtype, device=q.device)
+    lse = torch.full((t, H), float("-inf"), dtype=torch.float32, device=q.device)
+    if k.shape[0] == 0 or t == 0:
+        return out, lse
+    k, v = k.float(), v.float()
+    block = max(1, _SCORE_ELEMS // (H * k.shape[0]))
+    for t0 in range(0, t, block):
+        tok = slice(t0, min(t0 + block, t))
+        qb = q[tok].float().view(-1, num_kv_heads, group, D)  # [b, Hk, g, D]
+        n = k.shape[0]
+        if query_pos is not None:  # keys past the block's last query are unseen
+            n = int(torch.searchsorted(key_pos, query_pos[tok][-1:], right=True)[0])
+        s = torch.einsum("bkgd,lkd->kgbl", qb, k[:n]) * scaling  # [Hk, g, b, l]
+        if query_pos is not None:
+            s = s.masked_fill(key_pos[:n][None, :] > query_pos[tok][:, None], float("-inf"))
+        m = torch.logsumexp(s, dim=-1)  # [Hk, g, b]; -inf where nothing is visible
+        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
+        o = torch.einsum("kgbl,lkd->bkgd", p, v[:n])  # [b, Hk, g, Dv]
+        out[tok] = o.reshape(o.shape[0], H, -1).to(out.dtype)
+        lse[tok] = m.permute(2, 0, 1).reshape(-1, H)
+    return out, lse

@@ -1,0 +1,150 @@
+"""Upstream decode context parallelism (``--dcp-size``) on GQA models: the K/V fix and torch_native.
+
+- ``dcp_kv_partition`` (patch "[DCP] GQA models replicate K/V inside the DCP group"): K/V sharded
+  over ``tp / dcp`` and replicated inside each DCP group, so every rank of a group holds the KV
+  heads its pool stores; without DCP nothing changes.
+- ``dcp.torch_attention`` (patch "[DCP] torch_native: decode context parallelism"): each rank's
+  partial attention over the keys it owns, merged by LSE, equals float64 attention over all keys,
+  for the token-interleaved layout and runs of ``interleave_size`` ids, prefill and decode.
+- End to end: ``--tp 4 --dcp-size 4`` (K * dcp = 8 > tp: the layout that served wrong tokens and
+  that the earlier series refused) and ``--dcp-size 2`` with the All-to-All exchange, on a Llama
+  with 2 KV heads and torch_native, serve plain ``--tp 4``'s greedy tokens and logprobs; with
+  ``--max-total-tokens 128`` a ~300-token prompt is longer than what one rank's pool holds, so it
+  is served only if each rank stores only its own tokens.
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import FULL, KV2, plain_tp_reference, run_workload
+from sglang_helix.testing.openai_probe import (
+    LOGPROB_ATOL,
+    assert_same_generation,
+    assert_same_probe,
+    long_completion,
+    probe,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The K/V partition
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp,dcp", [(4, 1), (4, 2), (4, 4), (8, 2)])
+def test_dcp_kv_partition(tp, dcp, monkeypatch):
+    from sglang.srt.layers import linear
+
+    monkeypatch.setattr(linear, "get_parallel", lambda: SimpleNamespace(attn_dcp_size=dcp))
+    group, kv_tp_size = linear.dcp_kv_partition(tp)
+    assert kv_tp_size == tp // dcp
+    if dcp == 1:
+        assert group is None  # K/V shard like Q: upstream's layer, unchanged
+    else:
+        assert group == linear.ReplicatedParallelGroup("tp", dcp)
+        # rank r holds the K/V of kv rank r // dcp: the same heads on every rank of a DCP group
+        assert linear.dcp_kv_partition(tp, "attn_tp")[0] == linear.ReplicatedParallelGroup("attn_tp", dcp)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "Qwen3MoeForCausalLM", "MixtralForCausalLM"])  # fmt: skip
+def test_kv_partition_models_declare_it(arch):
+    """Each family that shards its qkv_proj with dcp_kv_partition says so in its own class body
+    (what the launch check reads: the KV-head guard accepts it at K * dcp > tp)."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls([arch])
+    assert vars(model_cls).get("dcp_replicates_kv") is True
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch partial attention
+# ---------------------------------------------------------------------------------------------
+def _merge(outs, lses):
+    """LSE merge of per-rank partials ``[R, t, H, D]`` / ``[R, t, H]`` (float64)."""
+    lse = torch.logsumexp(lses, dim=0)
+    w = torch.exp(lses - lse).nan_to_num(0.0)
+    return (w[..., None] * outs).sum(0)
+
+
+@pytest.mark.parametrize("interleave", [1, 4])
+@pytest.mark.parametrize("dcp", [2, 4])
+@pytest.mark.parametrize("decode", [False, True])
+def test_torch_attention_shards_merge_to_full_attention(interleave, dcp, decode):
+    from sglang.srt.layers.dcp.torch_attention import dcp_owned_kv, partial_attention
+
+    g = torch.Generator().manual_seed(dcp * 10 + interleave)
+    H, Hk, D, S = 8, 2, 16, 37
+    prefix = S - 1 if decode else 11  # decode: one query at the end; else 26 new tokens over 11
+    # logical ids of positions 0..S-1 from a later page: ids agree with positions modulo the page
+    locs = torch.arange(S) + 4 * dcp * interleave
+    k = torch.randn(S, Hk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(S, Hk, D, generator=g, dtype=torch.float64)
+    q = torch.randn(S - prefix, H, D, generator=g, dtype=torch.float64)
+    query_pos = torch.arange(prefix, S)
+    scale = D**-0.5
+    outs, lses, stored = [], [], 0
+    for rank in range(dcp):
+        rows, key_pos = dcp_owned_kv(locs, dcp, rank, interleave)
+        stored += rows.numel()
+        # the rank's pool holds its keys at their rows
+        pool_k = torch.zeros(int(rows.max()) + 1, Hk, D, dtype=torch.float64)
+        pool_v = torch.zeros_like(pool_k)
+        pool_k[rows], pool_v[rows] = k[key_pos], v[key_pos]
+        assert torch.equal(((locs[key_pos] // interleave) % dcp), torch.full_like(key_pos, rank))
+        o, lse = partial_attention(
+            q, pool_k[rows], pool_v[rows], scale, None if decode else query_pos, key_pos
+        )
+        outs.append(o)
+        lses.append(lse.double())
+    assert stored == S  # every key on exactly one rank
+    got = _merge(torch.stack(outs), torch.stack(lses))
+    kk = k.repeat_interleave(H // Hk, dim=1)
+    vv = v.repeat_interleave(H // Hk, dim=1)
+    s = torch.einsum("thd,lhd->htl", q, kk) * scale
+    s = s.masked_fill(torch.arange(S)[None, None, :] > query_pos[None, :, None], -math.inf)
+    want = torch.einsum("htl,lhd->thd", torch.softmax(s, dim=-1), vv)
+    assert torch.allclose(got, want, atol=1e-5)  # the partials are computed in fp32
+
+
+def test_torch_attention_empty_shard_is_neutral():
+    from sglang.srt.layers.dcp.torch_attention import partial_attention
+
+    q = torch.randn(3, 4, 8)
+    out, lse = partial_attention(q, torch.empty(0, 2, 8), torch.empty(0, 2, 8), 0.3)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all() and (lse < 0).all()
+    # a causal query before every owned key sees nothing either
+    k = torch.randn(2, 2, 8)
+    out, lse = partial_attention(q[:1], k, k, 0.3, torch.tensor([3]), torch.tensor([5, 6]))
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: upstream --dcp-size on a GQA Llama with torch_native
+# ---------------------------------------------------------------------------------------------
+# --max-total-tokens 128 is what each rank's pool holds; the ~300-token prompt needs more than
+# that on one rank, so only a sequence-sharded pool serves it (and the same limit on plain TP
+# would refuse it: the baseline runs without it).
+_CAPACITY = ["--max-total-tokens", "128"]
+CASES = [
+    # (id, args, default run)
+    ("dcp4", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, True),
+    ("dcp2-a2a", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a"] + _CAPACITY, False),
+]
+
+
+def _workload(base_url):
+    return {"probe": probe(base_url), "long": long_completion(base_url)}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "name,args", [pytest.param(n, a, marks=() if d else FULL, id=n) for n, a, d in CASES]
+)
+def test_dcp_serves_plain_tp_tokens(name, args, model_dir, server_log_dir):
+    path = model_dir(KV2)
+    ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, plain_tp_reference)
+    got = run_workload(path, args, "torch_native", server_log_dir, _workload)
+    assert_same_probe(ref["probe"], got["probe"], LOGPROB_ATOL, f"--dcp-size ({name})")
+    assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, f"--dcp-size ({name}) long prompt")
