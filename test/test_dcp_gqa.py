@@ -128,9 +128,11 @@ def test_torch_attention_empty_shard_is_neutral():
 # would refuse it: the baseline runs without it).
 _CAPACITY = ["--max-total-tokens", "128"]
 CASES = [
-    # (id, args, default run)
-    ("dcp4", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, True),
-    ("dcp2-a2a", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a"] + _CAPACITY, False),
+    # (id, backend, args, default run)
+    ("dcp4", "torch_native", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, True),
+    ("dcp2-a2a", "torch_native", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a"] + _CAPACITY, False),
+    # upstream's own Triton DCP (interpreted: ~5 min a server), with the series' K/V partition
+    ("dcp4-triton", "triton", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, False),
 ]
 
 
@@ -140,11 +142,11 @@ def _workload(base_url):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "name,args", [pytest.param(n, a, marks=() if d else FULL, id=n) for n, a, d in CASES]
+    "name,backend,args", [pytest.param(n, b, a, marks=() if d else FULL, id=n) for n, b, a, d in CASES]
 )
-def test_dcp_serves_plain_tp_tokens(name, args, model_dir, server_log_dir):
+def test_dcp_serves_plain_tp_tokens(name, backend, args, model_dir, server_log_dir):
     path = model_dir(KV2)
     ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, plain_tp_reference)
-    got = run_workload(path, args, "torch_native", server_log_dir, _workload)
+    got = run_workload(path, args, backend, server_log_dir, _workload)
     assert_same_probe(ref["probe"], got["probe"], LOGPROB_ATOL, f"--dcp-size ({name})")
     assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, f"--dcp-size ({name}) long prompt")

@@ -163,7 +163,9 @@ def capture_partials(monkeypatch) -> list:
 @pytest.mark.parametrize("backend_name", ["torch_native", "triton", "torch_native-blocked"])
 def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
     if backend_name == "torch_native-blocked":  # the torch path one query row at a time (long prefills)
-        monkeypatch.setattr(attention, "_SCORE_ELEMS", 1)
+        from sglang.srt.layers.dcp import torch_attention
+
+        monkeypatch.setattr(torch_attention, "_SCORE_ELEMS", 1)
         backend_name = "torch_native"
     kv_dtype, rounding, scales = KV_CACHES[kv_cache]
     k_scale, v_scale = scales or (1.0, 1.0)

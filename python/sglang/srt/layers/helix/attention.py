@@ -9,7 +9,7 @@
 Partial attention contract (both backends): for query token t at global position p, attend to the
 keys this rank owns at positions <= p; a rank that owns none returns output 0, LSE -inf.
 
-- ``torch_native``: masked softmax per request in fp32, grouped by KV head (the CPU path).
+- ``torch_native``: DCP's torch partial attention per request (``dcp.torch_attention``; the CPU path).
 - ``triton``: decode is the upstream two-stage decode kernel with the merged-LSE output
   (``decode_attention_fwd(..., output_lse=)``) over the local KV list. Extend is the upstream
   extend kernel with ``lse_extend``, three calls over the keys this rank owns, merged on the rank:
@@ -44,6 +44,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed
 from sglang.srt.layers.dcp.layout import localize_dcp_indices
+from sglang.srt.layers.dcp.torch_attention import partial_attention
 from sglang.srt.layers.helix import kv_layout
 from sglang.srt.layers.helix.decode_state import (
     HelixDecodeMetadata,
@@ -54,8 +55,6 @@ from sglang.srt.layers.helix.decode_state import (
 )
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.runtime_context import get_parallel
-
-_SCORE_ELEMS = 1 << 25  # torch path: the most fp32 scores [K/TPA, g, t, L] held at once (128 MiB)
 
 @dataclass
 class HelixForwardMetadata:
@@ -272,55 +271,37 @@ def _check_layer(layer) -> None:
 
 
 def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool):
-    """Masked softmax per request in fp32: ``out [T, H, Dv]``, ``lse [T, H]``.
-
-    Grouped over the KV heads (``H = K/TPA * g``): each KV head is read once for its ``g`` query
-    heads, never repeated ``g`` times. Queries go in blocks so the score tensor
-    ``[K/TPA, g, t, L]`` stays under ``_SCORE_ELEMS`` elements on long prefills.
-    """
+    """Per request, DCP's torch partial attention (``dcp.torch_attention.partial_attention``: fp32,
+    grouped by KV head, causal by position except for a decode) over the keys this rank owns, read
+    as a view of the pool where they are one run of rows: ``out [T, H, Dv]``, ``lse [T, H]``."""
     _check_layer(layer)
     k_buf = kv_pool.get_key_buffer(layer.layer_id)
     v_buf = kv_pool.get_value_buffer(layer.layer_id)
     k_descale, v_descale = _kv_scales(layer, kv_pool, q.dtype) or (1.0, 1.0)
-    T, H, D = q.shape
-    num_kv_heads = layer.tp_k_head_num
-    group = H // num_kv_heads
+    T, H, _ = q.shape
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     if meta.kv_indptr_host is None:  # once per batch (CPU path: host values are free here)
         meta.kv_indptr_host = meta.kv_indptr.tolist()
         meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
-    key_pos, indptr = meta.kv_positions, meta.kv_indptr_host
-    decode = forward_batch.forward_mode.is_decode()
-    q_lens = query_lens_of(forward_batch, len(indptr) - 1)
+    indptr = meta.kv_indptr_host
+    decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key of its request
     start = 0
-    for b, q_len in enumerate(q_lens):
+    for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
         lo, hi = indptr[b], indptr[b + 1]
-        first, start = start, start + q_len
+        tok = slice(start, start + q_len)
+        start += q_len
         if hi == lo:
             continue  # this rank owns none of the request's tokens: neutral partial
         rows = meta.kv_indices[lo:hi]
         run = meta.kv_run_starts[b]
         if run is not None:  # the same rows in the same order: a view, no copy
             rows = slice(run, run + hi - lo)
-        kb = _read_rows(k_buf, rows, k_descale)  # [L, K/TPA, D] fp32
-        vb = _read_rows(v_buf, rows, v_descale)  # [L, K/TPA, Dv] fp32
-        block = max(1, _SCORE_ELEMS // (H * (hi - lo)))
-        for t0 in range(first, first + q_len, block):
-            tok = slice(t0, min(t0 + block, first + q_len))
-            qb = q[tok].float().view(-1, num_kv_heads, group, D)  # [t, K/TPA, g, D]
-            n_keys = hi - lo  # a decode token sees every key of its request
-            if not decode:  # prefill is causal: keys (listed by position) past the block's last query are unseen
-                query_pos = forward_batch.positions[tok].long()
-                n_keys = int(torch.searchsorted(key_pos[lo:hi], query_pos[-1:], right=True)[0])
-            s = torch.einsum("tkgd,lkd->kgtl", qb, kb[:n_keys]) * layer.scaling  # [K/TPA, g, t, L]
-            if not decode:
-                s = s.masked_fill(key_pos[lo : lo + n_keys][None, :] > query_pos[:, None], float("-inf"))
-            m = torch.logsumexp(s, dim=-1)  # [K/TPA, g, t]; -inf where nothing is visible
-            p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
-            o = torch.einsum("kgtl,lkd->tkgd", p, vb[:n_keys])  # [t, K/TPA, g, Dv]
-            out[tok] = o.reshape(o.shape[0], H, -1).to(out.dtype)
-            lse[tok] = m.permute(2, 0, 1).reshape(-1, H)
+        query_pos = None if decode else forward_batch.positions[tok].long()
+        out[tok], lse[tok] = partial_attention(
+            q[tok], _read_rows(k_buf, rows, k_descale), _read_rows(v_buf, rows, v_descale),
+            layer.scaling, query_pos, meta.kv_positions[lo:hi],
+        )  # fmt: skip
     return out, lse
 
 
