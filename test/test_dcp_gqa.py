@@ -123,17 +123,24 @@ def test_torch_attention_empty_shard_is_neutral():
 # ---------------------------------------------------------------------------------------------
 # End to end: upstream --dcp-size on a GQA Llama with torch_native
 # ---------------------------------------------------------------------------------------------
-# --max-total-tokens 128 is what each rank's pool holds; the ~300-token prompt needs more than
-# that on one rank, so only a sequence-sharded pool serves it (and the same limit on plain TP
-# would refuse it: the baseline runs without it).
+# --max-total-tokens 128 is what each rank's pool holds (x --dcp-size logical tokens); the
+# ~300-token prompt needs more than that on one rank, so only a sequence-sharded pool serves it
+# (the same limit on plain TP would refuse it: the baseline runs without it).
+# (At --dcp-size 2, 192 rows: 384 logical tokens hold the prompt, ~150 of its tokens per rank.)
 _CAPACITY = ["--max-total-tokens", "128"]
 CASES = [
     # (id, backend, args, default run)
     ("dcp4", "torch_native", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, True),
-    ("dcp2-a2a", "torch_native", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a"] + _CAPACITY, False),
+    ("dcp2-a2a", "torch_native", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--max-total-tokens", "192"], False),
     # upstream's own Triton DCP (interpreted: ~5 min a server), with the series' K/V partition
     ("dcp4-triton", "triton", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, False),
 ]
+# Found 2026-11-25, not yet located: on triton, batched requests give plain TP's tokens, but the
+# same prompts sent again alone (a radix-cache hit: an extend over a cached, sharded prefix)
+# differ. torch_native serves the same workload exactly, so the models' K/V partition is right
+# and the difference is in the Triton backend's DCP extend (_forward_extend_dcp, or the list
+# kernel its prefix lists come from).
+_KNOWN = {"dcp4-triton": "Triton DCP extend over a cached prefix differs from plain TP (issue 32)"}
 
 
 def _workload(base_url):
@@ -142,7 +149,14 @@ def _workload(base_url):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "name,backend,args", [pytest.param(n, b, a, marks=() if d else FULL, id=n) for n, b, a, d in CASES]
+    "name,backend,args",
+    [
+        pytest.param(
+            n, b, a, id=n,
+            marks=([] if d else [FULL]) + ([pytest.mark.xfail(reason=_KNOWN[n], strict=True)] if n in _KNOWN else []),
+        )
+        for n, b, a, d in CASES
+    ],
 )
 def test_dcp_serves_plain_tp_tokens(name, backend, args, model_dir, server_log_dir):
     path = model_dir(KV2)
