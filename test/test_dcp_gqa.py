@@ -6,8 +6,12 @@
 - ``dcp.torch_attention`` (patch "[DCP] torch_native: decode context parallelism"): each rank's
   partial attention over the keys it owns, merged by LSE, equals float64 attention over all keys,
   for the token-interleaved layout and runs of ``interleave_size`` ids, prefill and decode.
+- ``dcp_q_partition`` (patch "[DCP] GQA: replicated Q with the All-to-All"): with
+  ``--dcp-replicate-q-proj`` Q is partitioned like K/V, so no rank gathers Q.
 - End to end: ``--tp 4 --dcp-size 4`` (K * dcp = 8 > tp: the layout that served wrong tokens and
-  that the earlier series refused) and ``--dcp-size 2`` with the All-to-All exchange, on a Llama
+  that the earlier series refused), ``--dcp-size 2`` with the All-to-All exchange, and
+  ``--dcp-size 2 --dcp-comm-backend a2a --dcp-replicate-q-proj`` (Helix's layout at interleave 1,
+  spelled with DCP's flags), on a Llama
   with 2 KV heads and torch_native, serve plain ``--tp 4``'s greedy tokens and logprobs; with
   ``--max-total-tokens 128`` a ~300-token prompt is longer than what one rank's pool holds, so it
   is served only if each rank stores only its own tokens.
@@ -47,6 +51,22 @@ def test_dcp_kv_partition(tp, dcp, monkeypatch):
         assert linear.dcp_kv_partition(tp, "attn_tp")[0] == linear.ReplicatedParallelGroup("attn_tp", dcp)
 
 
+@pytest.mark.parametrize("tp,dcp,replicate", [(4, 1, True), (4, 2, False), (4, 2, True), (8, 4, True)])
+def test_dcp_q_partition(tp, dcp, replicate, monkeypatch):
+    """``--dcp-replicate-q-proj``: Q sharded like K/V (over tp / dcp, replicated inside each DCP
+    group), the group's heads on every rank; otherwise Q over tp (upstream's layer)."""
+    from sglang.srt.layers import linear
+
+    parallel = SimpleNamespace(attn_dcp_size=dcp, dcp_replicate_q_proj=replicate)
+    monkeypatch.setattr(linear, "get_parallel", lambda: parallel)
+    q_tp, group = linear.dcp_q_partition(tp, "attn_tp")
+    if dcp > 1 and replicate:
+        assert (q_tp, group) == (tp // dcp, linear.ReplicatedParallelGroup("attn_tp", dcp))
+        assert group == linear.dcp_kv_partition(tp, "attn_tp")[0]  # Q and K/V: one partition
+    else:
+        assert (q_tp, group) == (tp, "attn_tp")
+
+
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                   "Qwen3MoeForCausalLM", "MixtralForCausalLM"])  # fmt: skip
 def test_kv_partition_models_declare_it(arch):
@@ -56,6 +76,19 @@ def test_kv_partition_models_declare_it(arch):
 
     model_cls, _ = ModelRegistry.resolve_model_cls([arch])
     assert vars(model_cls).get("dcp_replicates_kv") is True
+
+
+def test_cpu_platform_allocates_in_dcp_pages(monkeypatch):
+    """On the CPU engine, as on GPUs, a DCP batch allocates in the allocator's page (page_size x
+    dcp_size), so a logical KV id and its position agree modulo it (the invariant the Triton DCP
+    path reads rows by): patch "[CPU] Decode context parallelism on the CPU engine". Found as an
+    extend over a cached prefix on interpreted triton serving wrong tokens (test below)."""
+    from sglang.srt.mem_cache import allocation
+
+    monkeypatch.setattr(allocation, "_is_cpu", True)  # what it is under SGLANG_USE_CPU_ENGINE=1
+    monkeypatch.setattr(allocation, "get_parallel", lambda: SimpleNamespace(dcp_enabled=True))
+    batch = SimpleNamespace(tree_cache=SimpleNamespace(page_size=1, token_to_kv_pool_allocator=SimpleNamespace(page_size=4)))
+    assert allocation._alloc_page_size(batch) == 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,19 +161,18 @@ def test_torch_attention_empty_shard_is_neutral():
 # (the same limit on plain TP would refuse it: the baseline runs without it).
 # (At --dcp-size 2, 192 rows: 384 logical tokens hold the prompt, ~150 of its tokens per rank.)
 _CAPACITY = ["--max-total-tokens", "128"]
+_REPLICATED_Q = ["--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj", "--max-total-tokens", "192"]
 CASES = [
     # (id, backend, args, default run)
     ("dcp4", "torch_native", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, True),
     ("dcp2-a2a", "torch_native", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--max-total-tokens", "192"], False),
+    # replicated Q: Helix's layout (at interleave 1) with DCP's own flags, one All-to-All a layer
+    ("dcp2-rq", "torch_native", ["--tp", "4"] + _REPLICATED_Q, True),
+    ("dcp2-rq-triton", "triton", ["--tp", "4"] + _REPLICATED_Q, False),
     # upstream's own Triton DCP (interpreted: ~5 min a server), with the series' K/V partition
     ("dcp4-triton", "triton", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, False),
 ]
-# Found 2026-11-25, not yet located: on triton, batched requests give plain TP's tokens, but the
-# same prompts sent again alone (a radix-cache hit: an extend over a cached, sharded prefix)
-# differ. torch_native serves the same workload exactly, so the models' K/V partition is right
-# and the difference is in the Triton backend's DCP extend (_forward_extend_dcp, or the list
-# kernel its prefix lists come from).
-_KNOWN = {"dcp4-triton": "Triton DCP extend over a cached prefix differs from plain TP (issue 32)"}
+_KNOWN = {}  # id -> reason: a case expected to fail (strict xfail)
 
 
 def _workload(base_url):

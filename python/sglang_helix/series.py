@@ -460,7 +460,12 @@ PREFIX_TESTS = {
     "[Distributed] GroupCoordinator.all_to_all_single: direct path on CPU": [
         "test/test_dcp_extensions.py", "-k", "all_to_all_single",
     ],
-    "[CPU] Decode context parallel groups on the CPU engine": ["test/test_helix_groups.py"],
+    "[CPU] Decode context parallelism on the CPU engine: groups and allocation page": [
+        "test/test_helix_groups.py", "test/test_dcp_gqa.py", "-k", "real_gloo or cpu_platform",
+    ],
+    "[DCP] GQA: replicated Q with the All-to-All (--dcp-replicate-q-proj)": [
+        "test/test_dcp_gqa.py", "-k", "q_partition or (rq and not triton)",
+    ],
     "[DCP] torch_native: decode context parallelism": [
         "test/test_dcp_gqa.py", "-k", "torch_attention or (dcp4 and not triton)",
     ],
