@@ -16,6 +16,10 @@ On the CPU harness (tiny random Llamas written on the fly, servers launched and 
         --csv cpu.csv --png cpu.png
 
 (one model per K, same Q = 16 and head dim 128; a --kvp runs where TPA = tp/kvp divides K).
+Upstream decode context parallelism runs beside them with ``--dcp D`` (``--dcp-size D``: Q
+all-gathered, LSE all-gathered, output all-reduced) and ``--dcp-rq D`` (``--dcp-size D
+--dcp-comm-backend a2a --dcp-replicate-q-proj``: replicated Q, one All-to-All, i.e. Helix's layout
+at interleave 1); their rows are ``tp4-dcp2`` and ``tp4-dcp2-rq``.
 
 For every (server, context S, batch B) it sends B concurrent streaming /generate requests of S
 random prompt tokens (distinct per request: no prefix sharing) and T greedy new tokens (EOS
@@ -80,10 +84,14 @@ class Layout:
     config: dict | None  # the model's config.json when the path is local
     chunked_prefill: int | None = None  # the server's --chunked-prefill-size
     spec: str | None = None  # speculative decoding: "<algorithm>-<steps>" (e.g. standalone-3)
+    dcp: int = 1  # upstream --dcp-size (Helix off)
+    dcp_replicated_q: bool = False  # --dcp-replicate-q-proj (the a2a exchange)
 
     @property
     def name(self) -> str:
         base = f"tp{self.tp}" if self.kvp == 1 else f"tp{self.tp}-kvp{self.kvp}"
+        if self.dcp > 1:
+            base = f"tp{self.tp}-dcp{self.dcp}" + ("-rq" if self.dcp_replicated_q else "")
         return base if self.spec is None else f"{base}+{self.spec}"
 
 
@@ -103,7 +111,8 @@ def read_layout(base_url: str, default_chunk: int = 64) -> Layout:
     chunked = info.get("chunked_prefill_size")
     algorithm = info.get("speculative_algorithm")
     spec = f"{str(algorithm).lower()}-{info.get('speculative_num_steps')}" if algorithm else None
-    return Layout(base_url, tp, kvp, tp // kvp, chunk, int(capacity), model_path, config, chunked, spec)
+    dcp, rq = int(info.get("dcp_size") or 1), bool(info.get("dcp_replicate_q_proj"))
+    return Layout(base_url, tp, kvp, tp // kvp, chunk, int(capacity), model_path, config, chunked, spec, dcp, rq)
 
 
 def stream_generate(
@@ -170,7 +179,9 @@ def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
         return None, None, None
     k = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if layout.kvp == 1:
+    if layout.dcp > 1:  # K/V replicated in the DCP group (the series' first patch), tokens dealt one by one
+        heads, tokens = max(1.0, k / (layout.tp // layout.dcp)), -(-context // layout.dcp)
+    elif layout.kvp == 1:
         heads, tokens = max(1.0, k / layout.tp), context
     else:
         from sglang.srt.layers.helix.kv_layout import local_kv_lens
@@ -231,10 +242,12 @@ def a2a_kib(layout: Layout, batch: int, dtype_bytes: int) -> float | None:
     cfg = layout.config
     if not cfg:
         return None
-    if layout.kvp == 1:
+    if layout.dcp > 1 and not layout.dcp_replicated_q:
+        return None  # Q all-gather + LSE all-gather + output all-reduce, not one All-to-All
+    if layout.kvp == 1 and layout.dcp == 1:
         return 0.0
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    heads = cfg["num_attention_heads"] // layout.tpa
+    heads = cfg["num_attention_heads"] // (layout.tp // layout.dcp if layout.dcp > 1 else layout.tpa)
     return batch * heads * (head_dim * dtype_bytes + 4) / 1024  # output + the fp32 LSE packed after it
 
 
@@ -271,16 +284,21 @@ def bench_server(base_url: str, args, progress: Progress, profiler=None) -> list
 # -- the CPU harness -----------------------------------------------------------------------------
 
 
-def cpu_layouts(args) -> list[tuple[int, int]]:
-    """(K, KVP) pairs to launch: for each model, plain TP and every --kvp whose TPA divides K."""
+def cpu_layouts(args) -> list[tuple[int, list]]:
+    """(K, flags) to launch: for each model, plain TP and every --kvp whose TPA divides K, then
+    upstream DCP at each --dcp (Q gathered, all-gather + reduce) and --dcp-rq (replicated Q, one
+    All-to-All: Helix's layout at interleave 1)."""
     out = []
     for k in args.kv_heads:
         for kvp in args.kvp:
             tpa = args.tp // kvp if kvp >= 1 and args.tp % kvp == 0 else 0
             if kvp == 1 or (tpa and k % tpa == 0):  # the rules: docs/helix-flags.md
-                out.append((k, kvp))
+                out.append((k, ["--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(args.chunk)]))
             else:
                 print(f"# skip K={k} --helix-kvp-size {kvp}: TPA = {args.tp}/{kvp} must divide K", file=sys.stderr)
+        out += [(k, ["--dcp-size", str(d)]) for d in args.dcp]
+        rq = ["--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj"]
+        out += [(k, ["--dcp-size", str(d)] + rq) for d in args.dcp_rq]
     return out
 
 
@@ -291,16 +309,16 @@ def bench_cpu(args) -> list[Row]:
     new_tokens = args.new_tokens + (args.profile_tokens if args.profile else 0)
     max_context = max(args.context) + new_tokens + 16
     need = max(b * (c + new_tokens + 16) for c, b in cases(args))
-    launches = [(k, kvp, steps) for k, kvp in cpu_layouts(args) for steps in args.spec_steps]
+    launches = [(k, layout, steps) for k, layout in cpu_layouts(args) for steps in args.spec_steps]
     progress = Progress(len(launches) * len(cases(args)))
     rows = []
-    for k, kvp, steps in launches:
+    for k, layout, steps in launches:
         spec = TinyModelSpec(
             num_heads=args.heads, num_kv_heads=k, head_dim=args.head_dim, num_layers=args.layers,
             intermediate_size=args.intermediate_size, max_position_embeddings=max(8192, max_context),
         )  # fmt: skip
         model = write_tiny_model(os.path.join(args.work_dir, f"model-k{k}"), spec)
-        flags = ["--tp", str(args.tp), "--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(args.chunk)]
+        flags = ["--tp", str(args.tp)] + layout
         flags += ["--context-length", str(max_context), "--max-total-tokens", str(max(args.max_total_tokens, need))]
         flags += ["--disable-radix-cache"]  # decode timing: no prefix reuse in either layout
         # One prefill chunk per prompt: upstream's torch_native extend re-attends the whole
@@ -452,7 +470,10 @@ def kv_model(rows: list[Row]) -> list[dict]:
     rows = [r for r in rows if not r.accept_length]  # without speculation only
     for k in sorted({r.kv_heads for r in rows if r.kv_heads is not None}):
         for batch in sorted({r.batch for r in rows}):
-            plain = {r.context: r for r in rows if r.kv_heads == k and r.batch == batch and "kvp" not in r.layout}
+            plain = {
+                r.context: r for r in rows
+                if r.kv_heads == k and r.batch == batch and "kvp" not in r.layout and "dcp" not in r.layout
+            }  # fmt: skip
             if len(plain) < 2 or any(r.kv_read_mib is None for r in plain.values()):
                 continue
             s1, s2 = sorted(plain)[-2:]
@@ -526,6 +547,8 @@ def main() -> int:
     cpu.add_argument("--cpu", action="store_true")
     cpu.add_argument("--tp", type=int, default=4)
     cpu.add_argument("--kvp", type=_ints, default=[1, 2, 4], help="--helix-kvp-size values (1 = plain TP)")
+    cpu.add_argument("--dcp", type=_ints, default=[], help="upstream --dcp-size values (Q all-gathered)")
+    cpu.add_argument("--dcp-rq", type=_ints, default=[], help="--dcp-size values with --dcp-replicate-q-proj (a2a)")
     cpu.add_argument("--heads", type=int, default=16)
     cpu.add_argument("--kv-heads", type=_ints, default=[1, 4], help="K of each model; a --kvp runs where TPA = tp/kvp divides K")
     cpu.add_argument("--head-dim", type=int, default=128)
@@ -549,7 +572,7 @@ def main() -> int:
         args.dtype_bytes = 4 if args.cpu else 2
     if sum(map(bool, (args.cpu, args.base_url, args.from_json))) != 1:
         p.error("give either --cpu, one or more --base-url, or one or more --from-json")
-    if args.cpu and not any(kvp > 1 for _, kvp in cpu_layouts(args)):
+    if args.cpu and not any(f != ["--helix-kvp-size", "1"] for _, f in cpu_layouts(args) if f[0] != "--helix-kvp-chunk-size"):
         p.error(f"no --kvp in {args.kvp} runs with --tp {args.tp} and --kv-heads {args.kv_heads}: TPA = tp/kvp must divide K")
 
     if args.from_json:

@@ -50,9 +50,26 @@ def test_a2a_bytes_column():
 
 
 def test_cpu_layouts_keep_tpa_dividing_k(capsys):
-    args = type("A", (), {"kv_heads": [1, 4], "kvp": [1, 2, 4], "tp": 4})
-    assert bench.cpu_layouts(args) == [(1, 1), (1, 4), (4, 1), (4, 2), (4, 4)]
+    args = type("A", (), {"kv_heads": [1, 4], "kvp": [1, 2, 4], "tp": 4, "chunk": 8, "dcp": [2], "dcp_rq": [2]})
+    layouts = bench.cpu_layouts(args)
+    helix = [(k, int(f[1])) for k, f in layouts if f[0] == "--helix-kvp-size"]
+    assert helix == [(1, 1), (1, 4), (4, 1), (4, 2), (4, 4)]
     assert "skip K=1 --helix-kvp-size 2" in capsys.readouterr().err
+    # upstream DCP beside them, per model: Q gathered, and replicated Q with the All-to-All
+    assert [(k, f) for k, f in layouts if f[0] == "--dcp-size"] == [
+        (k, f) for k in (1, 4)
+        for f in (["--dcp-size", "2"], ["--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj"])
+    ]  # fmt: skip
+
+
+def test_dcp_layouts_name_footprint_and_exchange():
+    cfg = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 1}
+    dcp = bench.Layout("u", 4, 1, 4, 64, 0, "m", cfg, dcp=2)
+    rq = bench.Layout("u", 4, 1, 4, 64, 0, "m", cfg, dcp=2, dcp_replicated_q=True)
+    assert (dcp.name, rq.name) == ("tp4-dcp2", "tp4-dcp2-rq")
+    assert bench.kv_footprint(dcp, 1001, 4)[:2] == (1.0, 501)  # K / (tp / dcp) heads, every dcp-th token
+    assert bench.a2a_kib(dcp, 1, 4) is None  # all-gathers + all-reduce, no All-to-All
+    assert bench.a2a_kib(rq, 1, 4) == 4 * (8 * 4 + 4) / 1024  # the group's Q/(tp/dcp) heads
 
 
 def test_csv_and_png(tmp_path):
