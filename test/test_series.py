@@ -214,11 +214,13 @@ def test_prefix_tests_name_real_patches():
 def test_every_prefix(tmp_path, run_tests):
     """``series prefixes``: each prefix applies with git am, imports, runs its patch's tests, and
     the flag is refused before the Llama patch and accepted from it on (it raises otherwise)."""
-    from sglang_helix.series import check_prefixes
+    from sglang_helix.series import check_prefixes, opts_llama_in
 
     lines = check_prefixes(Series(), tmp_path, run_tests=run_tests)
     flags = [line.split("flag ")[1].split(";")[0] for line in lines]
-    first = next(i for i, p in enumerate(Series().patches) if "sglang/srt/models/llama.py" in Series.touched_files_of(p))
+    first = next(i for i, p in enumerate(Series().patches) if opts_llama_in(p))
+    # (the [DCP] K/V fix touches llama.py long before: the opt-in is what counts)
+    assert first > next(i for i, p in enumerate(Series().patches) if "sglang/srt/models/llama.py" in Series.touched_files_of(p))
     assert flags == ["refused"] * first + ["accepted"] * (len(lines) - first)
     flags_patch = next(i for i, line in enumerate(lines) if "Server args" in line)
     assert 0 < flags_patch < first  # the flag exists, refused, before any model opts in

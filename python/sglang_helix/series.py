@@ -526,8 +526,15 @@ def modules_of(series: "Series", subject: str) -> list[str]:
     return [rel for rel in series.new_files if NEW_MODULE_PATCHES[rel] == subject]
 
 
-# The first patch from which --helix-kvp-size > 1 must be accepted: it opts Llama in.
+# The first patch from which --helix-kvp-size > 1 must be accepted: it opts Llama in (adds
+# ``supports_helix = True`` to this file; earlier patches may touch the file for other reasons).
 FIRST_MODEL_FILE = "sglang/srt/models/llama.py"
+OPT_IN = "+    supports_helix = True"
+
+
+def opts_llama_in(patch: Path) -> bool:
+    """Whether ``patch`` declares Llama's Helix opt-in."""
+    return FIRST_MODEL_FILE in Series.touched_files_of(patch) and OPT_IN in patch.read_text()
 
 _PROBE = """
 import importlib, sys
@@ -581,6 +588,7 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
     new_modules: list[str] = []
     touched: list[str] = []
     report = []
+    opted_in = False
     for i, patch in enumerate(series.patches, 1):
         subject = _patch_subject(patch)
         r = _run(["git", "am", "--keep-cr", "--keep-non-patch", "--committer-date-is-author-date", str(patch)],
@@ -601,7 +609,8 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
         if r.returncode != 0 or not probe:
             raise SeriesError(f"prefix {i} ({patch.name}): import or probe failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
         accepted = probe[0] == "PROBE accepted"
-        expected = FIRST_MODEL_FILE in touched
+        opted_in = opted_in or opts_llama_in(patch)
+        expected = opted_in
         if accepted != expected:
             raise SeriesError(
                 f"prefix {i} ({patch.name}): --helix-kvp-size 2 is "
