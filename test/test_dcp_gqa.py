@@ -172,12 +172,10 @@ CASES = [
     # upstream's own Triton DCP (interpreted: ~5 min a server), with the series' K/V partition
     ("dcp4-triton", "triton", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, False),
 ]
-# Found 2026-11-25, not yet located: upstream's Triton DCP with Q sharded (all-gathered) at
-# --dcp-size 4 gives plain TP's tokens for fresh requests, and for the same server with
-# --disable-radix-cache also for prompts sent again alone; with the radix cache on, a prompt sent
-# again (an extend over its cached prefix, then decode) differs. torch_native at the same layout
-# and the replicated-Q Triton layout (dcp2-rq-triton) are exact on the same workload.
-_KNOWN = {"dcp4-triton": "Triton DCP (Q sharded) after a radix-cache hit differs from plain TP (issue 32)"}
+# dcp4-triton found two bugs on 2026-11-25 (patches 0012 and 0014): the CPU engine allocated outside
+# DCP's pages, and the Triton DCP extend's prefix call took its GQA group from the K/V heads sliced
+# to this rank's Q shard (query heads 4-7 read KV head 0 after any prefix).
+_KNOWN = {}  # id -> reason: a case expected to fail (strict xfail)
 
 
 def _workload(base_url):
