@@ -204,7 +204,11 @@ class RankLayer:
         xs = y[self.rows].view(self.w_gu.shape[0], -1, y.shape[-1])  # [E_active, t, H]
         gate, up = torch.bmm(xs, self.w_gu).chunk(2, dim=-1)  # [E_active, t, F_e/N]
         o = torch.bmm(torch.nn.functional.silu(gate) * up, self.w_down)  # [E_active, t, H]
-        return torch.zeros_like(y).index_add_(0, self.rows, o.view(-1, y.shape[-1]))  # [B, H]
+        # Slot i is token i % B: sum the slots per token in a fixed order (index_add_'s atomics
+        # reorder the bf16 sums between runs, so a graph replay would not equal eager bit for bit).
+        o = o.view(-1, y.shape[-1])  # [slots, H]
+        o = torch.nn.functional.pad(o, (0, 0, 0, -o.shape[0] % y.shape[0]))  # [ceil(slots / B) B, H]
+        return o.view(-1, *y.shape).sum(0)  # [B, H]
 
     def _qkv(self):
         qkv = self.x @ self.w_qkv  # [B, (q_proj + 2 kv_proj) D]
