@@ -199,3 +199,44 @@ def test_dcp_serves_plain_tp_tokens(name, backend, args, model_dir, server_log_d
     got = run_workload(path, args, backend, server_log_dir, _workload)
     assert_same_probe(ref["probe"], got["probe"], LOGPROB_ATOL, f"--dcp-size ({name})")
     assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, f"--dcp-size ({name}) long prompt")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helix is DCP's GQA mode: its flags and DCP's spelling are one server
+# ---------------------------------------------------------------------------------------------
+_SPELLINGS = {
+    "helix": ["--tp", "4", "--helix-kvp-size", "2"],
+    "dcp": ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj",
+            "--dcp-interleave-size", "64"],
+}  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_both_spellings_serve_identical_logprobs(model_dir, server_log_dir):
+    """``--helix-kvp-size 2`` and ``--dcp-size 2 --dcp-comm-backend a2a --dcp-replicate-q-proj
+    --dcp-interleave-size 64`` on a ``--tp 4`` Llama with 2 KV heads: one server. A single request
+    (the long prompt) gives the very same tokens and logprobs, bit for bit; the probe's batched
+    requests the same tokens, and logprobs within float32 rounding (the scheduler may group
+    concurrent requests into batches differently from run to run), and plain TP's tokens."""
+    path = model_dir(KV2)
+    got = {name: run_workload(path, args, "torch_native", server_log_dir, _workload) for name, args in _SPELLINGS.items()}
+    assert got["helix"]["long"] == got["dcp"]["long"]  # tokens, text and every logprob
+    assert_same_probe(got["helix"]["probe"], got["dcp"]["probe"], 1e-5, "the two spellings", margin=0.0)
+    ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, plain_tp_reference)
+    assert_same_probe(ref["probe"], got["dcp"]["probe"], LOGPROB_ATOL, "the DCP spelling of Helix")
+    assert_same_generation(ref["long"], got["dcp"]["long"], LOGPROB_ATOL, "the DCP spelling of Helix, long prompt")
+
+
+# Found 2026-11-25 (this test's first version): with a KV page of chunk x KVP = 128 logical tokens
+# and a pool of 2-3 pages, the ~325-token prompt is prefilled but comes back with no tokens (256
+# rows per rank), or is never admitted and stalls every later request (192 rows). The scheduler's
+# admission counts tokens, not whole 128-token pages. Open: see the closing note of issue 32.
+@pytest.mark.e2e
+@pytest.mark.xfail(reason="a pool of a few large Helix pages: a long prompt finishes with no tokens", strict=True)
+def test_long_prompt_in_a_pool_of_few_pages(model_dir, server_log_dir):
+    path = model_dir(KV2)
+    ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, plain_tp_reference)
+    got = run_workload(path, ["--tp", "4", "--helix-kvp-size", "2", "--max-total-tokens", "256"], "torch_native",
+                       server_log_dir, _workload)  # fmt: skip
+    assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, "--max-total-tokens 256, long prompt")
+

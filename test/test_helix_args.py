@@ -20,7 +20,7 @@ import pytest
 from sglang_helix.testing.cpu_env import STUB_DIR, cpu_server_env
 from sglang_helix.testing.tiny_models import ARCHS, TinyModelSpec, write_tiny_model
 
-HELIX_FIELDS = ("helix_kvp_size", "helix_tpa_size", "helix_kvp_chunk_size")
+HELIX_FIELDS = ("helix_kvp_size", "helix_kvp_chunk_size", "dcp_interleave_size")
 HOOK_SOURCE = "handle_helix_parallelism"
 
 
@@ -117,10 +117,10 @@ def test_kvp_size_below_one(model):
     )
 
 
-def test_tpa_size_negative(model):
-    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-tpa-size", "-1"]) == (
-        "--helix-tpa-size must be >= 0, got --helix-tpa-size -1. Leave it at 0 to derive it "
-        "as --tp / --helix-kvp-size."
+def test_interleave_size_below_one(model):
+    assert helix_error(model(), ["--tp", "4", "--dcp-interleave-size", "0"]) == (
+        "--dcp-interleave-size must be >= 1, got --dcp-interleave-size 0. It is the number of "
+        "consecutive tokens one KVP (DCP) rank stores before ownership moves to the next rank."
     )
 
 
@@ -128,8 +128,8 @@ def test_tpa_size_negative(model):
 def test_chunk_size_below_one(model, chunk):
     assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk]) == (
         f"--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size {chunk}. It is the "
-        "number of consecutive tokens one KVP rank stores before ownership moves to the next "
-        "rank; the default is 64."
+        "number of consecutive tokens one KVP (DCP) rank stores before ownership moves to the next "
+        "rank."
     )
 
 
@@ -137,23 +137,6 @@ def test_tp_not_divisible_by_kvp(model):
     assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "3"]) == (
         "--helix-kvp-size 3 does not divide --tp 4: Helix arranges the --tp ranks as a KVP x TPA "
         "grid, so --tp must be a multiple of --helix-kvp-size. Valid values for --tp 4: 1, 2 or 4."
-    )
-
-
-@pytest.mark.parametrize(
-    "kvp,tpa,suggested",
-    [
-        ("2", "1", "2"),
-        # --helix-tpa-size without --helix-kvp-size: caught although Helix is off.
-        ("1", "2", "4"),
-    ],
-)
-def test_kvp_times_tpa_must_equal_tp(model, kvp, tpa, suggested):
-    product = int(kvp) * int(tpa)
-    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", kvp, "--helix-tpa-size", tpa]) == (
-        f"--helix-kvp-size {kvp} x --helix-tpa-size {tpa} = {product} does not equal --tp 4: "
-        f"Helix arranges the --tp ranks as a KVP x TPA grid. Set --helix-tpa-size {suggested} "
-        "(= --tp / --helix-kvp-size) or leave it at 0 to derive it."
     )
 
 
@@ -166,11 +149,6 @@ def test_tpa_exceeds_kv_heads(model):
         f"TPA = --tp 8 / --helix-kvp-size 2 = 4 exceeds the 2 KV heads of --model-path {path} "
         "(num_key_value_heads): each attention-TP rank must hold whole KV heads, none "
         "duplicated. Use --helix-kvp-size 4 or 8 with --tp 8."
-    )
-    assert helix_error(path, ["--tp", "8", "--helix-kvp-size", "2", "--helix-tpa-size", "4"]) == (
-        f"--helix-tpa-size 4 exceeds the 2 KV heads of --model-path {path} "
-        "(num_key_value_heads): each attention-TP rank must hold whole KV heads, none "
-        "duplicated. Use --helix-kvp-size 4 or 8 with --tp 8 and --helix-tpa-size 0."
     )
 
 
@@ -256,7 +234,9 @@ def test_supported_architectures(tmp_path, arch):
         assert f"{ARCHS[arch][1]}" in json.load(f)["architectures"]
     server_args = resolve(path, ["--tp", "4", "--helix-kvp-size", "2"])
     cfg = view(server_args)
-    assert (cfg.helix_kvp_size, cfg.helix_tpa_size, cfg.page_size) == (2, 2, 128)
+    assert (cfg.helix_kvp_size, cfg.helix_kvp_chunk_size, cfg.page_size) == (2, 64, 64)
+    # DCP's GQA mode: the group, exchange, replicated Q and interleave are DCP's
+    assert (cfg.dcp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj, cfg.dcp_interleave_size) == (2, "a2a", True, 64)
 
 
 def test_unsupported_model_impl(model):
@@ -281,10 +261,17 @@ _HYBRID = "SGLang runs them through a HybridAttnBackend, which the Helix attenti
 _WRAPPED = "it wraps the attention backend, which the Helix attention does not dispatch"
 
 UNSUPPORTED = {
-    "dcp": (
-        ["--dcp-size", "2"],
-        _unsupported("decode context parallelism", "--dcp-size 2", "Set --dcp-size 1",
-                     "both shard the KV cache along the sequence"),
+    "dcp-other-size": (  # Helix is DCP's GQA mode: a DCP flag that says otherwise is refused
+        ["--dcp-size", "4"],
+        "--helix-kvp-size 2 --helix-kvp-chunk-size 64 is --dcp-size 2 --dcp-comm-backend a2a "
+        "--dcp-replicate-q-proj --dcp-interleave-size 64, but --dcp-size is 4. Drop --dcp-size, or "
+        "spell the layout with the DCP flags alone.",
+    ),
+    "dcp-other-exchange": (
+        ["--dcp-comm-backend", "ag_rs"],
+        "--helix-kvp-size 2 --helix-kvp-chunk-size 64 is --dcp-size 2 --dcp-comm-backend a2a "
+        "--dcp-replicate-q-proj --dcp-interleave-size 64, but --dcp-comm-backend is ag_rs. Drop "
+        "--dcp-comm-backend, or spell the layout with the DCP flags alone.",
     ),
     "attn-cp": (
         ["--attn-cp-size", "2"],
@@ -342,8 +329,8 @@ UNSUPPORTED = {
     ),
     "page-size": (
         ["--page-size", "16"],
-        "--helix-kvp-size 2 supports only --page-size 1 yet, but --page-size is 16. Pass "
-        "--page-size 1, or use --helix-kvp-size 1.",
+        "--helix-kvp-size 2 allocates KV in pages of one --helix-kvp-chunk-size (64) per rank, but "
+        "--page-size is 16. Pass --page-size 1 (or 64), or use --helix-kvp-size 1.",
     ),
     "attention-backend": (
         ["--attention-backend", "flashinfer"],
@@ -444,8 +431,8 @@ def test_unsupported_combination(model, case):
         (
             "page_size",
             16,
-            "--helix-kvp-size 2 supports only --page-size 1 yet, but --page-size resolves to 16. "
-            "Pass --page-size 1, or use --helix-kvp-size 1.",
+            "--helix-kvp-size 2 allocates KV in pages of one --helix-kvp-chunk-size (64) per rank, "
+            "but --page-size resolves to 16. Pass --page-size 1 (or 64), or use --helix-kvp-size 1.",
         ),
     ],
 )
@@ -526,18 +513,66 @@ def test_no_warning_when_already_off(model):
     assert [r for r in records if r.levelno >= logging.WARNING] == []
 
 
-def test_resolved_tpa_and_default_backend(model):
+def test_flags_resolve_into_dcp_and_default_backend(model):
     with helix_log() as records:
         server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2"])
     cfg = view(server_args)
-    assert cfg.helix_tpa_size == 2
-    assert server_args.helix_tpa_size == 0  # the raw input is kept; the 2 is a declaration
+    assert (cfg.dcp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj, cfg.dcp_interleave_size) == (2, "a2a", True, 64)
+    assert cfg.page_size == 64  # DCP allocates in pages of page x dcp_size: one chunk per rank
+    assert server_args.dcp_size == 1  # the raw input is kept; the 2 is a declaration
     assert cfg.attention_backend == "torch_native"  # --device cpu; triton elsewhere
-    assert "Helix parallelism: attention backend not specified; using torch_native." in [
-        r.getMessage() for r in records
-    ]
-    explicit = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--helix-tpa-size", "1"]))
-    assert explicit.helix_tpa_size == 1
+    messages = [r.getMessage() for r in records]
+    assert "Helix parallelism: attention backend not specified; using torch_native." in messages
+    assert (
+        "Helix parallelism: --helix-kvp-size 2 --helix-kvp-chunk-size 64 resolves to --dcp-size 2 "
+        "--dcp-comm-backend a2a --dcp-replicate-q-proj --dcp-interleave-size 64 (TPA = --tp 4 / 2 = 2)."
+    ) in messages
+
+
+RESOLVED_FIELDS = (
+    "helix_kvp_size", "helix_kvp_chunk_size", "dcp_size", "dcp_comm_backend", "dcp_replicate_q_proj",
+    "dcp_interleave_size", "page_size", "attention_backend", "chunked_prefill_size", "max_prefill_tokens",
+    "disable_cuda_graph", "tp_size",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", ["64", "16", "1"])
+def test_both_spellings_resolve_the_same(model, chunk):
+    """``--helix-kvp-size K --helix-kvp-chunk-size C`` and ``--dcp-size K --dcp-comm-backend a2a
+    --dcp-replicate-q-proj --dcp-interleave-size C`` on a GQA model are one server."""
+    helix = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk]))
+    dcp = view(resolve(model(), [
+        "--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj",
+        "--dcp-interleave-size", chunk,
+    ]))  # fmt: skip
+    assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {f: getattr(helix, f) for f in RESOLVED_FIELDS}
+    assert helix.helix_kvp_size == dcp.helix_kvp_size == 2
+
+
+def test_dcp_spelling_refusals_name_the_helix_layout(model):
+    message = helix_error(model(), [
+        "--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj", "--pp-size", "2",
+    ])  # fmt: skip
+    assert message == (
+        "--dcp-size 2 --dcp-comm-backend a2a --dcp-replicate-q-proj on a GQA model is Helix parallelism "
+        "(--helix-kvp-size 2): --helix-kvp-size 2 does not support pipeline parallelism yet (--pp-size 2). "
+        "Set --pp-size 1, or use --helix-kvp-size 1."
+    )
+
+
+def test_interleave_needs_the_gqa_mode(model):
+    assert helix_error(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-interleave-size", "4"]) == (
+        "--dcp-interleave-size 4 needs DCP's GQA mode (--dcp-size > 1 --dcp-comm-backend a2a "
+        "--dcp-replicate-q-proj on a GQA model, i.e. --helix-kvp-size): the other DCP paths store "
+        "tokens round robin one at a time. Drop --dcp-interleave-size."
+    )
+
+
+def test_plain_dcp_stays_upstream(model):
+    """``--dcp-size`` with its default exchange (Q gathered) is upstream's DCP, not Helix."""
+    cfg = view(resolve(model(), ["--tp", "4", "--dcp-size", "2"]))
+    assert (cfg.helix_kvp_size, cfg.dcp_size, cfg.dcp_interleave_size) == (1, 2, 1)
+    assert cfg.helix_kvp_size == 1
 
 
 def test_split_backend_flag_names_the_default(model):
@@ -545,28 +580,6 @@ def test_split_backend_flag_names_the_default(model):
     the other phase is that one, not the platform default: one backend runs both phases."""
     cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--prefill-attention-backend", "triton"]))
     assert (cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend) == ("triton", "triton", None)
-
-
-def test_helix_attention_refuses_other_backends(monkeypatch):
-    """At run time only TritonAttnBackend and TorchNativeAttnBackend take a Helix path; anything
-    else (a HybridAttnBackend, a TboAttnBackend, ...) fails loudly instead of silently running the
-    per-request torch loop."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from sglang.srt.layers.helix import attention
-
-    class HybridAttnBackend:  # stands in for any backend object the dispatch does not know
-        token_to_kv_pool = SimpleNamespace(set_kv_buffer=lambda *args, **kwargs: None)
-
-    monkeypatch.setattr(attention, "get_attn_backend", HybridAttnBackend)
-    monkeypatch.setattr(attention.HelixForwardMetadata, "of", classmethod(lambda cls, fb: SimpleNamespace(write_rows=None)))
-    layer = SimpleNamespace(tp_q_head_num=2, tp_k_head_num=1, qk_head_dim=4, v_head_dim=4, k_scale=None, v_scale=None, layer_id=0)
-    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_decode=lambda: True))
-    q, kv = torch.zeros(3, 8), torch.zeros(3, 4)
-    with pytest.raises(NotImplementedError, match="no Helix path for the attention backend HybridAttnBackend"):
-        attention.helix_attention(layer, q, kv, kv, decode)
 
 
 def test_quantized_checkpoint(model, tmp_path):
@@ -643,8 +656,8 @@ def test_page_multiples_resolve(model, upstream_chunked_prefill, kvp, chunk, cpp
     server_args = resolve(path, args)
     server_args.check_server_args()  # where the assertion was
     cfg = view(server_args)
-    page = kvp * chunk
-    assert cfg.page_size == page
+    page = kvp * chunk  # DCP's allocation page: page_size (the chunk) x dcp_size
+    assert (cfg.page_size, cfg.dcp_size) == (chunk, kvp)
     given = cpp if cpp is not None else upstream_chunked_prefill(path, kvp)
     if given == -1:
         assert cfg.chunked_prefill_size == -1  # disabled stays disabled
@@ -657,7 +670,7 @@ def test_page_multiples_are_logged(model):
     with helix_log() as records:
         cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--chunked-prefill-size", "100",
                                      "--max-prefill-tokens", "1000"]))  # fmt: skip
-    assert (cfg.page_size, cfg.chunked_prefill_size, cfg.max_prefill_tokens) == (256, 256, 1024)
+    assert (cfg.page_size, cfg.chunked_prefill_size, cfg.max_prefill_tokens) == (64, 256, 1024)
     page = "the Helix KV page (--helix-kvp-chunk-size 64 x --helix-kvp-size 4 = 256 tokens)"
     infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
     assert f"Helix parallelism: --chunked-prefill-size 100 -> 256, a multiple of {page}: a prefill chunk must hold at least one page." in infos
@@ -712,15 +725,19 @@ def test_accessors_and_published_parallel(model):
 
     parallel = create_context(on, role="test").parallel
     assert parallel.helix_enabled is True
-    assert (parallel.helix_kvp_size, parallel.helix_tpa_size, parallel.helix_kvp_chunk_size) == (2, 2, 128)
+    # The runtime reads DCP's fields: group width, exchange, interleave (no Helix group or ranks).
+    assert (parallel.dcp_size, parallel.attn_dcp_size, parallel.dcp_interleave_size) == (2, 2, 128)
+    assert (parallel.dcp_comm_backend, parallel.dcp_replicate_q_proj) == ("a2a", True)
+    for gone in ("helix_tpa_size", "helix_kvp_rank", "helix_tpa_rank", "helix_kvp_group"):
+        assert not hasattr(parallel, gone), gone
     parallel = create_context(off, role="test").parallel
     assert parallel.helix_enabled is False
-    assert (parallel.helix_kvp_size, parallel.helix_tpa_size, parallel.helix_kvp_chunk_size) == (1, 0, 64)
+    assert (parallel.helix_kvp_size, parallel.dcp_size, parallel.dcp_interleave_size) == (1, 1, 1)
 
 
 @pytest.mark.parametrize(
     "helix_args",
-    [[], ["--helix-kvp-size", "1", "--helix-tpa-size", "0", "--helix-kvp-chunk-size", "16"]],
+    [[], ["--helix-kvp-size", "1", "--helix-kvp-chunk-size", "16"]],
     ids=["defaults", "explicit-kvp-1"],
 )
 def test_kvp1_resolves_like_upstream(model, monkeypatch, helix_args):
@@ -751,8 +768,8 @@ def test_help_documents_flags(capsys):
         prepare_server_args(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--helix-kvp-size HELIX_KVP_SIZE", "--helix-tpa-size HELIX_TPA_SIZE",
-                 "--helix-kvp-chunk-size HELIX_KVP_CHUNK_SIZE", "--helix-enable-cuda-graph"):  # fmt: skip
+    for flag in ("--helix-kvp-size HELIX_KVP_SIZE", "--helix-kvp-chunk-size HELIX_KVP_CHUNK_SIZE",
+                 "--dcp-interleave-size DCP_INTERLEAVE_SIZE", "--helix-enable-cuda-graph"):  # fmt: skip
         assert f"  {flag}\n" in out  # a documented option, not only the usage line
 
     def squeeze(text):  # argparse wraps help text at any space or hyphen
@@ -760,8 +777,8 @@ def test_help_documents_flags(capsys):
 
     for phrase in (
         "1 (the default) disables Helix.",
-        "0 (the default) resolves to --tp / --helix-kvp-size",
-        "the token at position p is stored on KVP rank (p // chunk) mod KVP.",
+        "the same as --dcp-size KVP --dcp-comm-backend a2a --dcp-replicate-q-proj --dcp-interleave-size CHUNK",
+        "the token at position p is stored on KVP rank (p // chunk) mod KVP (--dcp-interleave-size).",
         "Unverified on GPUs end to end; see docs/helix-flags.md.",
     ):
         assert squeeze(phrase) in squeeze(out)

@@ -240,8 +240,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         monkeypatch.setattr(module, name, _kernel(name, getattr(module, name)))
     for name in ("item", "tolist", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, _forbid(name))
-    monkeypatch.setattr(attention, "get_attn_backend", lambda: _tls.backend)
-    monkeypatch.setattr(attention, "get_parallel", lambda: SimpleNamespace(helix_kvp_group=_tls.group))
+    monkeypatch.setattr(attention, "get_parallel", lambda: SimpleNamespace(dcp_group=_tls.group))
 
     g = torch.Generator().manual_seed(0)
     page = CHUNK * KVP
@@ -291,7 +290,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
     def body(backend, batch):  # what the graph records: in-graph metadata prep + the layer
         TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
         bs = batch.batch_size
-        return attention.helix_attention(layer, static.q[:bs], static.k[:bs], static.v[:bs], batch)
+        return attention.helix_attention(layer, static.q[:bs], static.k[:bs], static.v[:bs], batch, backend)
 
     exchange = _Exchange()
     results = {}
@@ -349,7 +348,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         def eager(rank):
             TritonAttnBackend.init_forward_metadata(backends[rank], batch)
             calls = exchange.calls[rank]
-            out = attention.helix_attention(layer, q, k, v, batch).clone()
+            out = attention.helix_attention(layer, q, k, v, batch, backends[rank]).clone()
             splits = backends[rank].helix_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
             return out, exchange.calls[rank] - calls, splits
 
@@ -412,28 +411,26 @@ def test_local_kv_indices_kernel_equals_kv_layout(kvp, chunk):
         assert torch.equal(out[:total], indices) and bool((out[total:] == -1).all()), rank
 
 
-def test_eager_buffers_grow_and_are_reused():
-    """Eager decode fills growable buffers: reused while a batch fits, grown (at least doubled)
-    when one does not; the lists always equal kv_layout's."""
+def test_eager_lists_without_a_charged_set():
+    """Eager decode without a charged set (no decode graph batch configured) fills buffers of the
+    step only, kept by nothing past it; the lists always equal kv_layout's."""
     page = CHUNK * KVP
     req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)
     for slot in range(SLOTS):
         req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
     state = HelixDecodeState(req_to_token, 1, KVP, CHUNK)
-    seen = []
     for reqs in STEPS:
         batch = _batch(reqs, req_to_token)
         state.prepare_eager(batch)
         meta = state.metadata
-        seen.append(state.eager)
         total = kv_layout.total_local_len(batch.seq_lens_cpu, 1, KVP, CHUNK)
         indptr, indices, _ = kv_layout.local_kv_indices(
             req_to_token, batch.req_pool_indices, batch.seq_lens, total, 1, KVP, CHUNK
         )
         assert torch.equal(meta.kv_indptr, indptr) and torch.equal(meta.kv_indices[:total], indices)
         assert torch.equal(meta.write_rows, kv_layout.write_rows(batch.out_cache_loc, 1, KVP, CHUNK))
-        assert state.eager.capacity >= total and state.eager.max_bs >= len(reqs)
-    assert 1 < len({id(b) for b in seen}) < len(STEPS)  # grown, and reused in between
+        assert meta.buffers.capacity == max(total, 1) and meta.buffers.max_bs == len(reqs)
+        assert state.graph is None and not meta.buffers.fixed  # nothing kept but the step's metadata
 
 
 def _splits(lens, cores=132, num_heads=8, num_kv_heads=1, cap=decode_state.HELIX_MAX_KV_SPLITS):
@@ -474,14 +471,15 @@ def test_split_policy_follows_the_backend_settings():
         assert decode_state.kv_split_policy(b) == (8, 0), static
 
 
-def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):
-    """``parallel_state.graph_capture`` (the decode graph runner's capture context) enters the KVP
-    group too, as it enters the DCP group: that turns its pynccl on, so the All-to-All is captured
-    through pynccl rather than torch.distributed. It is the only group Helix builds."""
+def test_the_all_to_all_runs_over_the_dcp_group(monkeypatch):
+    """Helix is DCP's GQA mode: it builds no group of its own (``parallel_state`` has no Helix
+    group), and its All-to-All runs over the DCP group, which ``graph_capture`` (the decode graph
+    runner's capture context) already enters, so the exchange is captured through its pynccl."""
     from contextlib import contextmanager
 
     from sglang.srt.distributed import parallel_state
 
+    assert not [name for name in vars(parallel_state) if "HELIX" in name.upper()]
     entered = []
 
     class Group:
@@ -495,14 +493,9 @@ def test_graph_capture_enters_the_helix_kvp_group(monkeypatch):
 
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group("tp"))
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: Group("pp"))
-    for name in ("_DCP", "_ATTN_TP", "_SHARED_EXPERTS_TP", "_MOE_EP", "_MOE_TP", "_HELIX_KVP"):
+    for name in ("_DCP", "_ATTN_TP", "_SHARED_EXPERTS_TP", "_MOE_EP", "_MOE_TP"):
         monkeypatch.setattr(parallel_state, name, None)
+    monkeypatch.setattr(parallel_state, "_DCP", Group("dcp"))
     with parallel_state.graph_capture():
         pass
-    assert entered == ["tp", "pp"]  # Helix off: as upstream
-
-    entered.clear()
-    monkeypatch.setattr(parallel_state, "_HELIX_KVP", Group("helix_kvp"))
-    with parallel_state.graph_capture():
-        pass
-    assert entered == ["tp", "pp", "helix_kvp"]
+    assert entered == ["tp", "pp", "dcp"]

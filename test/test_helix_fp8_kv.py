@@ -64,6 +64,7 @@ class _TritonBackend(TritonAttnBackend):
 
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
+        self.helix_decode = None  # set for a decode step below, as init_forward_metadata's state
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
 
 
@@ -185,17 +186,16 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
         partials.clear()
         for kvp_rank in range(KVP):
             parallel = SimpleNamespace(
-                helix_kvp_rank=kvp_rank, helix_kvp_size=KVP, helix_kvp_chunk_size=CHUNK, helix_kvp_group=None
+                attn_dcp_rank=kvp_rank, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None
             )
             backend = BACKENDS[backend_name](pools[kvp_rank], req_to_token)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
-            monkeypatch.setattr(attention, "get_attn_backend", lambda: backend)
             batch = _forward_batch(mode, reqs, req_to_token)
             if backend_name == "triton" and mode == "decode":  # what the backend's init_forward_metadata does
                 backend.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
                 backend.helix_decode.prepare_eager(batch)
             k_in, v_in = k.clone(), v.clone()
-            attention.helix_attention(layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch)
+            attention.helix_attention(layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch, backend)
             if mode == "extend":  # the pool's write must not have scaled the K/V in hand
                 assert torch.equal(k_in, k) and torch.equal(v_in, v)
 

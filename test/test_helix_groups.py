@@ -1,17 +1,19 @@
-"""The Helix KVP group: membership for N=4 and N=8 (and with PP), and real gloo groups.
+"""The Helix KVP group is DCP's group: membership for N=4 and N=8 (and with PP), real gloo groups.
 
-Layout: tp_rank = tpa_rank * KVP + kvp_rank (``runtime_context`` publishes both). KVP groups are
-contiguous blocks of KVP TP ranks with one tpa_rank: upstream's DCP group layout,
-``parallel_state.dcp_group_ranks(tp_group_ranks, KVP)``. After the All-to-All, KVP rank k of TPA
-slice t holds query heads [tp_rank * Q/N, (tp_rank + 1) * Q/N): the o_proj shard of plain TP=N.
+Layout: tp_rank = tpa_rank * KVP + kvp_rank, i.e. ``dcp_rank = tp_rank % dcp_size`` as
+``runtime_context`` publishes it. KVP groups are contiguous blocks of KVP TP ranks with one
+tpa_rank: upstream's DCP group layout, ``parallel_state.dcp_group_ranks(tp_group_ranks, KVP)``.
+After the All-to-All, KVP rank k of TPA slice t holds query heads [tp_rank * Q/N, (tp_rank + 1) *
+Q/N): the o_proj shard of plain TP=N.
 
-``initialize_model_parallel`` builds the group (``_HELIX_KVP``, group name ``helix_kvp``) and
-publishes it as ``get_parallel().helix_kvp_group``; ``destroy_model_parallel`` tears it down.
+Helix builds no group of its own: ``--helix-kvp-size K`` resolves to ``--dcp-size K``, so
+``initialize_model_parallel`` builds the DCP group (``_DCP``, published as
+``get_parallel().dcp_group``), over which the All-to-All runs.
 
 The per-prefix check runs this file at the patch "[Distributed] Do not create a PyNccl
-communicator for gloo groups", before the Helix group exists: there the multi-process test builds
-the groups with ``dcp_group_ranks`` + ``init_model_parallel_group`` only, and the
-``initialize_model_parallel`` part runs from the patch "[Helix] Process groups" on.
+communicator for gloo groups": there the multi-process test builds the groups with
+``dcp_group_ranks`` + ``init_model_parallel_group`` only, and the ``initialize_model_parallel``
+part runs from the patch "[CPU] Decode context parallelism on the CPU engine" on.
 """
 
 import importlib.util
@@ -27,16 +29,12 @@ import torch.multiprocessing as mp
 from sglang.srt.distributed import parallel_state
 from sglang.srt.distributed.parallel_state import dcp_group_ranks
 
-# The Helix process-group patch is in the tree under test. Where the Helix modules are (the full
-# series), it must be: only a prefix of the series before that patch lacks it.
-HELIX_GROUP = hasattr(parallel_state, "_HELIX_KVP")
 # The CPU engine builds DCP groups (the patch "[CPU] Decode context parallel groups on the CPU engine").
 DCP_ON_CPU = "_is_xpu or _is_cpu" in open(parallel_state.__file__).read()
 
 
-def test_the_helix_group_is_built_where_helix_is():
-    if importlib.util.find_spec("sglang.srt.layers.helix") is not None:
-        assert HELIX_GROUP, "sglang.srt.layers.helix is installed but parallel_state has no _HELIX_KVP"
+def test_helix_builds_no_group_of_its_own():
+    assert not [name for name in vars(parallel_state) if "HELIX" in name.upper()]
 
 
 def _check_partition(groups, members, size):
@@ -82,7 +80,7 @@ def _check_group(group, rank, ranks):
     assert x.item() == sum(ranks)
 
 
-def _publish(world, tp, kvp, dcp=1):
+def _publish(world, tp, dcp=1):
     """The widths initialize_model_parallel reads, as a launcher publishes them."""
     from sglang.srt.runtime_context import get_parallel
 
@@ -92,7 +90,6 @@ def _publish(world, tp, kvp, dcp=1):
     parallel.override_permanently(
         tp_size=tp, pp_size=world // tp, attn_tp_size=tp, attn_dp_size=1, attn_cp_size=1,
         attn_dcp_size=dcp, moe_ep_size=1, moe_dp_size=1, moe_tp_size=tp, shared_experts_tp_size=tp,
-        **({"helix_kvp_size": kvp} if HELIX_GROUP else {}),
     )  # fmt: skip
     return parallel
 
@@ -115,35 +112,23 @@ def _worker(rank, world, init_file):
         if DCP_ON_CPU:
             # The DCP group on the CPU engine ("[CPU] Decode context parallel groups"): --tp 4
             # --dcp-size 2 builds two gloo groups of consecutive TP ranks, published as dcp_group.
-            parallel = _publish(world, 4, 1, dcp=2)
+            parallel = _publish(world, 4, dcp=2)
             parallel_state.initialize_model_parallel(backend="gloo")
             assert parallel.dcp_group is parallel_state._DCP
             _check_group(parallel_state._DCP, rank, [r for r in range(world) if r // 2 == rank // 2])
             dist.barrier()
             parallel_state.destroy_model_parallel()
-        if HELIX_GROUP:
-            # 2. As the runtime builds it, initialize_model_parallel from the published widths.
-            # KVP 1 (first, while nothing is published): no group is built, none is published.
-            parallel = _publish(world, 4, 1)
-            parallel_state.initialize_model_parallel(backend="gloo")
-            assert parallel_state._HELIX_KVP is None
-            assert "helix_kvp_group" not in parallel._stamp  # published: the config's default, None
-            dist.barrier()
-            parallel_state.destroy_model_parallel()
-            # PP=2 x TP=2 with KVP=2 (each stage's TP group is one KVP group); PP=1 x TP=4 with
-            # KVP=2 (two KVP groups in the TP group) and 4.
+            # The Helix layouts (--helix-kvp-size K resolves to --dcp-size K): PP=2 x TP=2 with
+            # KVP=2 (each stage's TP group is one KVP group); TP=4 with KVP=2 and 4.
             for tp, kvp in ((2, 2), (4, 2), (4, 4)):
-                parallel = _publish(world, tp, kvp)
+                parallel = _publish(world, tp, dcp=kvp)
                 parallel_state.initialize_model_parallel(backend="gloo")
                 tp_ranks = [r for r in range(world) if r // tp == rank // tp]
                 assert parallel_state.get_tp_group().ranks == tp_ranks
-                group = parallel_state._HELIX_KVP
-                assert group is not None and parallel.helix_kvp_group is group
-                assert group.unique_name.startswith("helix_kvp")
-                _check_group(group, rank, [r for r in tp_ranks if r // kvp == rank // kvp])
+                assert parallel.dcp_group is parallel_state._DCP
+                _check_group(parallel_state._DCP, rank, [r for r in tp_ranks if r // kvp == rank // kvp])
                 dist.barrier()
                 parallel_state.destroy_model_parallel()
-                assert parallel_state._HELIX_KVP is None
         dist.barrier()  # rank 0 holds the store: nobody leaves while another still needs it
     finally:
         parallel_state.destroy_distributed_environment()
@@ -159,7 +144,7 @@ def test_real_gloo_groups(monkeypatch):
     # The forkserver imports these once for all children (initialize_model_parallel imports the
     # sampler, a large import).
     preload = ["sglang.srt.distributed.parallel_state"] + (
-        ["sglang.srt.layers.sampler"] if HELIX_GROUP or DCP_ON_CPU else []
+        ["sglang.srt.layers.sampler"] if DCP_ON_CPU else []
     )
     mp.set_forkserver_preload(preload)
     with tempfile.TemporaryDirectory() as tmp:

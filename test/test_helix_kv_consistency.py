@@ -18,7 +18,9 @@ then also checked against transformers' argmax.
 
 Layouts: ``--tp 4 --helix-kvp-size 2 --helix-kvp-chunk-size 4`` on a GQA model (Q=8, K=4: TPA=2,
 two KV heads per rank), on both attention backends (``triton`` is the write/read path the GPU
-uses); and ``--tp 4 --helix-kvp-size 4 --helix-kvp-chunk-size 2`` on an MQA model (K=1: TPA=1), whose one KV head
+uses); the same layout spelled with DCP's flags (``--dcp-size 2 --dcp-comm-backend a2a
+--dcp-replicate-q-proj --dcp-interleave-size 4``); upstream's own ``--dcp-size 4`` (interleave 1, the
+4 KV heads replicated in the group; torch_native's DCP branch is dumped too); and ``--tp 4 --helix-kvp-size 4 --helix-kvp-chunk-size 2`` on an MQA model (K=1: TPA=1), whose one KV head
 the CPU engine keeps under Helix (the CPU-engine patch pads for TPA; ``_real_heads`` reads either).
 """
 
@@ -51,7 +53,22 @@ LAYOUTS = {
     # Chunked prefill of 16 tokens: the 18- and 29-token prompts extend over a stored prefix.
     "tp4-kvp2-c4-gqa": (GQA, ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "4", "--chunked-prefill-size", "16"]),
     "tp4-kvp4-c2-mqa": (MQA, ["--tp", "4", "--helix-kvp-size", "4", "--helix-kvp-chunk-size", "2"]),
+    # The same Helix layout spelled with DCP's flags (DCP's GQA mode) ...
+    "tp4-dcp2-rq-i4-gqa": (GQA, ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj",
+                                 "--dcp-interleave-size", "4", "--chunked-prefill-size", "16"]),
+    # ... and upstream's own DCP (Q gathered, interleave 1; K/V replicated inside the group).
+    "tp4-dcp4-gqa": (GQA, ["--tp", "4", "--dcp-size", "4", "--chunked-prefill-size", "16"]),
 }
+
+
+def _layout(args: list) -> tuple:
+    """``(KVP, chunk)`` of a launch, whichever spelling: Helix's flags or DCP's."""
+    def flag(name, default):
+        return int(args[args.index(name) + 1]) if name in args else default
+
+    if "--helix-kvp-size" in args:
+        return flag("--helix-kvp-size", 1), flag("--helix-kvp-chunk-size", 64)
+    return flag("--dcp-size", 1), flag("--dcp-interleave-size", 1)
 # Both backends write and read the pool their own way (torch_native: gather by row; triton: the
 # decode/extend kernels over the local KV list, the path the GPU uses).
 # The default run: triton (the GPU's path); the other two with HELIX_TEST_FULL=1.
@@ -59,6 +76,9 @@ PARAMS = [
     pytest.param("tp4-kvp2-c4-gqa", "torch_native", id="tp4-kvp2-c4-gqa-torch_native", marks=FULL),
     pytest.param("tp4-kvp2-c4-gqa", "triton", id="tp4-kvp2-c4-gqa-triton"),
     pytest.param("tp4-kvp4-c2-mqa", "torch_native", id="tp4-kvp4-c2-mqa-torch_native", marks=FULL),
+    # The issue's three spellings: Helix's flags (above), DCP's GQA mode and upstream's DCP.
+    pytest.param("tp4-dcp2-rq-i4-gqa", "torch_native", id="tp4-dcp2-rq-i4-gqa-torch_native"),
+    pytest.param("tp4-dcp4-gqa", "torch_native", id="tp4-dcp4-gqa-torch_native"),
 ]
 
 
@@ -145,8 +165,7 @@ def test_kv_shards_reassemble_to_reference(model_dir, server_log_dir, tmp_path, 
 
     spec, args = LAYOUTS[layout]
     model_path = model_dir(spec)
-    kvp = int(args[args.index("--helix-kvp-size") + 1])
-    chunk = int(args[args.index("--helix-kvp-chunk-size") + 1])
+    kvp, chunk = _layout(args)
     tpa = 4 // kvp
     heads_per_slice = spec.num_kv_heads // tpa
     dump_dir = tmp_path / "kv"

@@ -8,7 +8,7 @@ with ``req_to_token`` kept as upstream keeps it. After every step, on every KVP 
 
 - the write rows of the new tokens (``kv_layout.write_rows``) are owned by position, inside the
   rank's pool ``[chunk, rows_per_rank + chunk)`` (rows ``[0, chunk)`` are the reserved logical
-  page 0: the trash row), and used by no other live token;
+  page 0), -1 (masked out of the write) on the other ranks, and used by no other live token;
 - the local KV lists (``kv_layout.local_kv_indices``) of every live request are exactly the rows
   written for it on that rank, in position order (``local_kv_lens`` of them), and upstream's list
   kernel with ``interleave_size = chunk`` (what the decode runs) builds the same lists;
@@ -129,7 +129,7 @@ class Harness:
         for k in range(self.kvp):
             rows = kv_layout.write_rows(locs, k, self.kvp, self.chunk)
             mine = owner_rank(pos, self.kvp, self.chunk) == k  # owner by position ...
-            assert torch.equal(rows != kv_layout.TRASH_ROW, mine)  # ... == owner by loc
+            assert torch.equal(rows >= 0, mine)  # ... == owner by loc (-1: masked, not written)
             owners += mine
             for i in mine.nonzero().flatten().tolist():
                 row, (r, p) = int(rows[i]), positions[i]
@@ -265,5 +265,5 @@ def test_write_rows_of_tokens_a_rank_does_not_own():
     locs = torch.arange(16, 48)  # pages 1..2 of P=16 (chunk 4, KVP 4)
     for k in range(4):
         rows = kv_layout.write_rows(locs, k, 4, 4)
-        mine = rows != kv_layout.TRASH_ROW
+        mine = rows >= 0  # -1: another rank's token, masked out of the write
         assert mine.sum() == 8 and owner_rank(locs[mine], 4, 4).eq(k).all()

@@ -36,8 +36,7 @@ CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
 
 def _reserved(monkeypatch, q, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True):
     parallel = SimpleNamespace(
-        helix_enabled=helix, helix_kvp_size=KVP, helix_tpa_size=TP // KVP,
-        helix_kvp_chunk_size=CHUNK,
+        helix_enabled=helix, attn_dcp_size=KVP, attn_tp_size=TP, dcp_interleave_size=CHUNK,
     )  # fmt: skip
     exec_ = SimpleNamespace(
         graph=SimpleNamespace(disable_cuda_graph=False, cuda_graph_config=SimpleNamespace(
@@ -80,11 +79,12 @@ def test_nothing_is_reserved_with_helix_off(monkeypatch):
 
 def test_eager_decode_uses_the_one_charged_set():
     """Eager decode allocates the charged set (``reserved_bs`` requests) at its first step and fills
-    it for every batch that fits; graph capture then reuses it (no second copy); only a larger
-    batch grows separate eager buffers."""
+    it for every batch that fits, for requests of the model's context length as the charge counts
+    them; graph capture then reuses it (no second copy); a larger batch gets buffers of its step
+    only, never kept."""
     slots, max_len = 6, 64
     req_to_token = (CHUNK * KVP * (1 + torch.arange(slots)[:, None] * 2) + torch.arange(max_len)).int()
-    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK, reserved_bs=4)
+    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK, reserved_bs=4, max_context_len=max_len - 8)
 
     def batch(n):
         seq = torch.tensor([max_len - 1] * n)
@@ -96,9 +96,14 @@ def test_eager_decode_uses_the_one_charged_set():
 
     state.prepare_eager(batch(3))
     charged = state.graph
-    assert charged.max_bs == 4 and state.metadata.buffers is charged and state.eager is None
-    state.prepare_eager(batch(4))
-    assert state.metadata.buffers is charged and state.eager is None
-    assert state.init_graph_state(4, max_len) is charged.kv_indices and state.graph is charged  # reused
-    state.prepare_eager(batch(6))  # larger than the charged set: grown eager buffers
-    assert state.eager is not None and state.metadata.buffers is state.eager and state.graph is charged
+    # sized by the model's context length (what graph_buffer_bytes charges), not req_to_token's width
+    assert charged.max_bs == 4 and charged.capacity == state._capacity(4, max_len - 8)
+    assert state.metadata.buffers is charged
+    state.prepare_eager(batch(2))
+    assert state.metadata.buffers is charged
+    assert state.init_graph_state(4, max_len - 8) is charged.kv_indices and state.graph is charged  # reused
+    state.prepare_eager(batch(6))  # larger than the charged set: buffers of this step only
+    step = state.metadata.buffers
+    assert step is not charged and not step.fixed and step.max_bs == 6 and state.graph is charged
+    state.prepare_eager(batch(6))
+    assert state.metadata.buffers is not step  # not kept: allocated per step like upstream's

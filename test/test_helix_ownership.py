@@ -16,7 +16,7 @@ import torch
 
 from sglang.srt.layers.dcp.layout import get_dcp_lens, localize_dcp_indices
 from sglang.srt.layers.helix import kv_layout
-from sglang.srt.layers.helix.kv_layout import TRASH_ROW, global_position, local_kv_lens, write_rows
+from sglang.srt.layers.helix.kv_layout import global_position, local_kv_lens, write_rows
 
 KVP_SIZES = (1, 2, 3, 4, 8)
 CHUNKS = (1, 2, 3, 4, 16)
@@ -145,8 +145,8 @@ def _allocator_locs(positions: torch.Tensor, kvp: int, chunk: int, seed: int) ->
 
 @pytest.mark.parametrize("kvp,chunk", LAYOUTS)
 def test_write_rows_match_reference(kvp, chunk):
-    """``write_rows``: the physical row of each new token on the rank that owns its position, the
-    trash row on every other rank; a real token never writes the trash row."""
+    """``write_rows``: the physical row of each new token on the rank that owns its position, -1
+    on every other rank (DCP's masked store skips it: no row is written for it)."""
     positions = torch.cat([torch.arange(0, 3 * kvp * chunk + 2), torch.arange(5, 9)])  # [T]
     locs = _allocator_locs(positions, kvp, chunk, seed=kvp * 31 + chunk)
     before = locs.clone()
@@ -156,12 +156,12 @@ def test_write_rows_match_reference(kvp, chunk):
             rows = write_rows(locs.to(dtype), rank, kvp, chunk)
             assert rows.dtype == torch.int64 and rows.shape == locs.shape
             want = [
-                ref_local(loc, kvp, chunk) if ref_owner(p, kvp, chunk) == rank else TRASH_ROW
+                ref_local(loc, kvp, chunk) if ref_owner(p, kvp, chunk) == rank else -1
                 for p, loc in zip(positions.tolist(), locs.tolist())
             ]
             assert rows.tolist() == want, (rank, kvp, chunk)
         owned = torch.tensor([ref_owner(p, kvp, chunk) == rank for p in positions.tolist()])
-        assert (rows[owned] != TRASH_ROW).all()  # page 0 is the only page with trash rows
+        assert (rows[owned] >= 0).all()
         assert torch.equal(rows[owned], localize_dcp_indices(locs[owned], kvp, rank, interleave_size=chunk))
         assert (localize_dcp_indices(locs[~owned], kvp, rank, interleave_size=chunk) == -1).all()
         owners[owned] += 1

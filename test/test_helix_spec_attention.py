@@ -102,12 +102,14 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
     g = torch.Generator().manual_seed(1)
     req_to_token, pools = paged_table_and_pools(torch.float32)
     backends = [BACKENDS[backend_name](pools[r], req_to_token) for r in range(KVP)]
+    triton = backend_name == "triton"
     for r, backend in enumerate(backends):  # one per rank, kept across forwards as a server's is
-        backend.helix_decode = HelixDecodeState(req_to_token, r, KVP, CHUNK)
+        if triton:  # the Triton backend's decode lists (torch_native has none)
+            backend.helix_decode = HelixDecodeState(req_to_token, r, KVP, CHUNK)
     layer = _layer(None)
     partials = capture_partials(monkeypatch)
     filled = {r: 0 for r in range(KVP)}
-    for r, backend in enumerate(backends):  # count the list fills of draft steps (once per step, not per layer)
+    for r, backend in enumerate(backends if triton else ()):  # count the list fills of draft steps (once per step, not per layer)
         real = backend.helix_decode.prepare_eager
 
         def counted(fb, kv_ends=None, kv_ends_cpu=None, real=real, r=r):
@@ -125,16 +127,15 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
         v = torch.randn(T, KVH, D, generator=g)
         partials.clear()
         for r in range(KVP):
-            parallel = SimpleNamespace(helix_kvp_rank=r, helix_kvp_size=KVP, helix_kvp_chunk_size=CHUNK, helix_kvp_group=None)
+            parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
-            monkeypatch.setattr(attention, "get_attn_backend", lambda backend=backends[r]: backend)
             batch = batches[r][0]
             if backend_name == "triton" and mode == "draft":  # the multi-step backend's init, before the step
                 backends[r].helix_decode.prepare_eager(batch)
                 assert backends[r].helix_decode.metadata is None
             before = dict(filled)
             for _ in range(2):  # two layers of one forward: the second reuses the first's lists
-                attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch)
+                attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch, backends[r])
             if backend_name == "triton" and mode == "draft":
                 assert filled[r] == before[r] + 1, "a draft step's lists are filled once, by its first layer"
 
@@ -160,7 +161,7 @@ def test_draft_step_backends_share_the_ranks_decode_buffers(monkeypatch):
     buffer set, the one the KV pool sizing charged, not one per draft step."""
     from sglang.srt.layers.helix import decode_state
 
-    parallel = SimpleNamespace(helix_enabled=True, helix_kvp_rank=1, helix_kvp_size=KVP, helix_kvp_chunk_size=CHUNK)
+    parallel = SimpleNamespace(helix_enabled=True, attn_dcp_rank=1, attn_dcp_size=KVP, dcp_interleave_size=CHUNK)
     monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
     monkeypatch.setattr(decode_state, "reserved_batch", lambda: 4)
     monkeypatch.setattr(decode_state, "_RANK_STATES", {})

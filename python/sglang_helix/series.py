@@ -469,31 +469,30 @@ PREFIX_TESTS = {
     "[DCP] torch_native: decode context parallelism": [
         "test/test_dcp_gqa.py", "-k", "torch_attention or (dcp4 and not triton)",
     ],
-    "[Helix] Server args: the Helix flags and their resolution step": [
+    "[Helix] Server args: the Helix flags resolve into DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "kvp_size_below_one or tpa_size_negative or chunk_size_below_one or not_divisible_by_kvp or times_tpa "
-        "or kvp1_resolves",
+        "kvp_size_below_one or interleave_size_below_one or chunk_size_below_one or not_divisible_by_kvp "
+        "or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream or kvp1_resolves",
     ],
-    "[Helix] Process groups: the KVP group inside each TP group": ["test/test_helix_groups.py"],
-    "[Helix] KV cache: K/TPA heads per row, allocator ids widened by KVP": ["test/test_helix_kv_cache.py"],
+    "[Helix] KV cache: a speculative draft is sharded like its target": ["test/test_helix_kv_cache.py"],
     "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
         "test/test_helix_kv_layout.py", "test/test_helix_memory.py", "-k", "not triton",  # the allocator's torch path
     ],
-    "[Helix] linear: helix_attention_tp(), how an attention layer shards its heads": [
+    "[Helix] Attention backends: DCP's GQA mode runs the Helix attention": [
         "test/test_helix_import.py", "test/test_helix_decode_graph.py",
     ],
-    "[Helix] Llama, Mistral: qkv_proj over TPA, Helix attention before o_proj": [
+    "[Helix] Llama, Mistral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server "
         "and not speculative",
     ],
-    "[Helix] Qwen2: qkv_proj over TPA, Helix attention before o_proj": [
+    "[Helix] Qwen2: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen2",
     ],
-    "[Helix] Qwen3, Qwen3-MoE: qkv_proj over TPA, Helix attention before o_proj": [
+    "[Helix] Qwen3, Qwen3-MoE: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen3",
     ],
-    "[Helix] Mixtral: qkv_proj over TPA, Helix attention before o_proj": [
+    "[Helix] Mixtral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
     "[Helix] EAGLE: the Llama draft head opts in as a draft": [
@@ -502,7 +501,7 @@ PREFIX_TESTS = {
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.
-_SERVER_ARGS = "[Helix] Server args: the Helix flags and their resolution step"
+_SERVER_ARGS = "[Helix] Server args: the Helix flags resolve into DCP's GQA mode"
 _TRITON_BACKEND = "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks"
 NEW_MODULE_PATCHES = {
     "sglang/srt/layers/dcp/torch_attention.py": "[DCP] torch_native: decode context parallelism",
@@ -514,7 +513,7 @@ NEW_MODULE_PATCHES = {
     "sglang/srt/layers/helix/__init__.py": _TRITON_BACKEND,
     "sglang/srt/layers/helix/kv_layout.py": _TRITON_BACKEND,
     "sglang/srt/layers/helix/decode_state.py": _TRITON_BACKEND,
-    "sglang/srt/layers/helix/attention.py": "[Helix] linear: helix_attention_tp(), how an attention layer shards its heads",
+    "sglang/srt/layers/helix/attention.py": "[Helix] Attention backends: DCP's GQA mode runs the Helix attention",
 }
 
 

@@ -1,8 +1,8 @@
 """Per-rank K/V dumps for test/test_helix_kv_consistency.py.
 
 On PYTHONPATH of a CPU server with HELIX_KV_DUMP_DIR set, this wraps
-``sglang.srt.layers.helix.attention.helix_attention`` when sglang imports it (before a model
-module binds the name): after each layer's call, which has written the batch's K/V, every rank
+``sglang.srt.layers.helix.attention.helix_attention`` when sglang imports it (before an attention
+backend binds the name), and upstream's DCP on torch_native (``TorchNativeAttnBackend._forward_dcp``): after each layer's call, which has written the batch's K/V, every rank
 (over)writes ``layer{L}_slot{S}_tp{R}.pt`` for every request of the batch: the global positions in
 ``[0, seq_len)`` it owns and their K/V rows read back from its pool (``[n, K/TPA, D]``), with its
 place in the KVP x TPA grid. Host syncs and file I/O on every layer: a test fixture, not a server
@@ -18,15 +18,14 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
     DUMP_DIR = os.environ["HELIX_KV_DUMP_DIR"]
     TARGET = "sglang.srt.layers.helix.attention"
 
-    def dump(attention, layer, forward_batch):
+    def dump(attention, layer, forward_batch, backend):
         import torch
 
-        from sglang.srt.model_executor.forward_context import get_attn_backend
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
-        meta = attention.HelixForwardMetadata.build(forward_batch)  # the host-built lists
-        kv_pool = get_attn_backend().token_to_kv_pool
+        meta = attention.HelixForwardMetadata.build(forward_batch, backend)  # the host-built lists
+        kv_pool = backend.token_to_kv_pool
         positions = meta.kv_positions
         k_buf = kv_pool.get_key_buffer(layer.layer_id)
         v_buf = kv_pool.get_value_buffer(layer.layer_id)
@@ -37,7 +36,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
             record = {
                 "layer_id": layer.layer_id, "slot": slot, "seq_len": int(seq_len),
                 "tp_rank": parallel.tp_rank, "kvp_rank": meta.kvp_rank, "kvp_size": meta.kvp_size,
-                "tpa_rank": parallel.helix_tpa_rank, "chunk": meta.chunk,
+                "tpa_rank": parallel.tp_rank // parallel.attn_dcp_size, "chunk": meta.chunk,
                 "positions": positions[indptr[b] : indptr[b + 1]].cpu(),
                 "k": k_buf[rows].float().cpu(), "v": v_buf[rows].float().cpu(),
             }  # fmt: skip
@@ -48,24 +47,45 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
     def patch(attention):
         orig = attention.helix_attention
 
-        def helix_attention(layer, q, k, v, forward_batch):
-            out = orig(layer, q, k, v, forward_batch)
-            dump(attention, layer, forward_batch)
+        def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache=True):
+            out = orig(layer, q, k, v, forward_batch, backend, save_kv_cache)
+            dump(attention, layer, forward_batch, backend)
             return out
 
         attention.helix_attention = helix_attention
 
+    def patch_torch_native(module):
+        """Upstream's own DCP (Q gathered, interleave 1) on torch_native: the same dump after its
+        write (the layout functions are DCP's, so the Helix lists describe it too)."""
+        cls = module.TorchNativeAttnBackend
+        orig = cls._forward_dcp
+
+        def _forward_dcp(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            out = orig(self, q, k, v, layer, forward_batch, save_kv_cache)
+            if not self.helix:  # Helix's own call is dumped by the wrapper above
+                import sglang.srt.layers.helix.attention as attention
+
+                dump(attention, layer, forward_batch, self)
+            return out
+
+        cls._forward_dcp = _forward_dcp
+
+    PATCHES = {TARGET: patch, "sglang.srt.layers.attention.torch_native_backend": patch_torch_native}
+
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != TARGET:
+            if name not in PATCHES or getattr(self, "busy", False):
                 return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
+            self.busy = True
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                self.busy = False
             orig_exec = spec.loader.exec_module
 
             def exec_module(module):
                 orig_exec(module)
-                patch(module)
+                PATCHES[name](module)
 
             spec.loader.exec_module = exec_module
             return spec

@@ -58,40 +58,25 @@ def join(items, last: str = "or") -> str:
 
 
 def check_flags(server_args: Any, cfg: Any) -> None:
-    """The three flags and the KVP x TPA = N grid; checked with Helix off too,
-    so that a forgotten --helix-kvp-size next to --helix-tpa-size is caught."""
+    """The two flags and the KVP x TPA = N grid (TPA = N / KVP); checked with Helix off too."""
     kvp, n = cfg.helix_kvp_size, cfg.tp_size
-    tpa = raw(server_args, "helix_tpa_size", cfg.helix_tpa_size)
     if kvp < 1:
         fail(
             f"--helix-kvp-size must be >= 1, got --helix-kvp-size {kvp}. Use 1 "
             "to run without Helix, or the KV-parallel width (a divisor of "
             f"--tp {n}) to enable it."
         )
-    if tpa < 0:
-        fail(
-            f"--helix-tpa-size must be >= 0, got --helix-tpa-size {tpa}. Leave "
-            "it at 0 to derive it as --tp / --helix-kvp-size."
-        )
-    if cfg.helix_kvp_chunk_size < 1:
-        fail(
-            "--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size "
-            f"{cfg.helix_kvp_chunk_size}. It is the number of consecutive tokens "
-            "one KVP rank stores before ownership moves to the next rank; the "
-            f"default is {_field_default('helix_kvp_chunk_size')}."
-        )
+    for flag, value in (("--helix-kvp-chunk-size", cfg.helix_kvp_chunk_size), ("--dcp-interleave-size", cfg.dcp_interleave_size)):
+        if value < 1:
+            fail(
+                f"{flag} must be >= 1, got {flag} {value}. It is the number of consecutive tokens "
+                "one KVP (DCP) rank stores before ownership moves to the next rank."
+            )
     if n % kvp:
         fail(
             f"--helix-kvp-size {kvp} does not divide --tp {n}: Helix arranges "
             "the --tp ranks as a KVP x TPA grid, so --tp must be a multiple of "
             f"--helix-kvp-size. Valid values for --tp {n}: {join(_divisors(n))}."
-        )
-    if tpa and kvp * tpa != n:
-        fail(
-            f"--helix-kvp-size {kvp} x --helix-tpa-size {tpa} = {kvp * tpa} does "
-            f"not equal --tp {n}: Helix arranges the --tp ranks as a KVP x TPA "
-            f"grid. Set --helix-tpa-size {n // kvp} (= --tp / --helix-kvp-size) "
-            "or leave it at 0 to derive it."
         )
 
 
@@ -106,8 +91,7 @@ def check_model(server_args: Any, cfg: Any) -> None:
     from sglang.srt.arg_groups.overrides import model_config_of
 
     kvp, n = cfg.helix_kvp_size, cfg.tp_size
-    tpa_given = raw(server_args, "helix_tpa_size", cfg.helix_tpa_size)
-    tpa = tpa_given or n // kvp
+    tpa = n // kvp
     model_config = model_config_of(server_args)
     if cfg.model_impl not in ("auto", "sglang"):
         fail(
@@ -128,16 +112,11 @@ def check_model(server_args: Any, cfg: Any) -> None:
     k = model_config.get_total_num_kv_heads()
     q = model_config.num_attention_heads
     if tpa > k or k % tpa:
-        if tpa_given:
-            width = f"--helix-tpa-size {tpa}"
-        else:
-            width = f"TPA = --tp {n} / --helix-kvp-size {kvp} = {tpa}"
+        width = f"TPA = --tp {n} / --helix-kvp-size {kvp} = {tpa}"
         relation = "exceeds" if tpa > k else "does not divide"
         good = _valid_kvp(n, q, k)
         if good:
             hint = f"Use --helix-kvp-size {join(good)} with --tp {n}"
-            if tpa_given:
-                hint += " and --helix-tpa-size 0"
         else:
             hint = f"No --helix-kvp-size fits --tp {n} for this model; change --tp"
         fail(
@@ -168,8 +147,9 @@ def check_model(server_args: Any, cfg: Any) -> None:
 
 def helix_architectures() -> list:
     """The architectures whose model class opts into Helix in its own body (``supports_helix =
-    True``, set where its attention calls ``helix_attention_tp``: docs/helix-design.md, "Adding a
-    model"). The opt-in is not inherited: a subclass is not served unverified."""
+    True``, where its qkv_proj shards through DCP's partitions and it calls ``self.attn``:
+    docs/helix-design.md, "Adding a model"). The opt-in is not inherited: a subclass is not served
+    unverified."""
     from sglang.srt.models.registry import ModelRegistry
 
     ModelRegistry.get_supported_archs()  # imports the model modules once
@@ -183,14 +163,6 @@ def helix_draft_architectures() -> list:
 
     drafts = [arch for arch, cls in ModelRegistry.models.items() if vars(cls).get("supports_helix_draft", False)]
     return sorted(set(helix_architectures()) | set(drafts))
-
-
-def _field_default(name: str) -> Any:
-    import msgspec
-
-    from sglang.srt.arg_groups.fields.parallel import Parallel
-
-    return next(f.default for f in msgspec.structs.fields(Parallel) if f.name == name)
 
 
 def _check_head_dim(cfg: Any, model_config: Any) -> None:

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What Helix sets when the user did not: the attention width, the attention backend, and the
-CUDA graphs it cannot run with. Each is a declaration of the ``handle_helix_parallelism`` step,
+"""What Helix sets when the user did not: DCP's fields for its layout (both spellings), the
+attention backend, and the CUDA graphs it cannot run with. Each is a declaration of the ``handle_helix_parallelism`` step,
 made only where the value differs, and logged once."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+from sglang.srt.arg_groups.helix_checks import fail, raw
 
 logger = logging.getLogger(__name__)
 
@@ -17,10 +19,56 @@ def declare(server_args: Any, **fields: Any) -> None:
     declare_resolution(server_args, "handle_helix_parallelism", **fields)
 
 
-def resolve_tpa_size(server_args: Any, cfg: Any) -> None:
-    """``--helix-tpa-size 0`` (the default) resolves to N / KVP."""
-    if cfg.helix_tpa_size == 0:
-        declare(server_args, helix_tpa_size=cfg.tp_size // cfg.helix_kvp_size)
+def declare_dcp_layout(server_args: Any, cfg: Any) -> None:
+    """``--helix-kvp-size K --helix-kvp-chunk-size C`` is DCP's GQA mode: ``--dcp-size K
+    --dcp-comm-backend a2a --dcp-replicate-q-proj --dcp-interleave-size C`` with ``--page-size C``
+    (DCP allocates in pages of page x K: one chunk per rank). Refuses a DCP flag given to
+    something else; declares the rest, logged once."""
+    kvp, chunk = cfg.helix_kvp_size, cfg.helix_kvp_chunk_size
+    layout = {"dcp_size": kvp, "dcp_comm_backend": "a2a", "dcp_replicate_q_proj": True, "dcp_interleave_size": chunk}
+    for field, value in layout.items():
+        given = raw(server_args, field, None)
+        if given not in (None, value) and not (field == "dcp_size" and given == 1) and not (field == "dcp_interleave_size" and given == 1):
+            flag = "--" + field.replace("_", "-")
+            fail(
+                f"--helix-kvp-size {kvp} --helix-kvp-chunk-size {chunk} is --dcp-size {kvp} --dcp-comm-backend a2a "
+                f"--dcp-replicate-q-proj --dcp-interleave-size {chunk}, but {flag} is {given}. Drop {flag}, or "
+                "spell the layout with the DCP flags alone."
+            )
+    if any(getattr(cfg, f) != v for f, v in layout.items()):
+        logger.info(
+            "Helix parallelism: --helix-kvp-size %d --helix-kvp-chunk-size %d resolves to --dcp-size %d "
+            "--dcp-comm-backend a2a --dcp-replicate-q-proj --dcp-interleave-size %d (TPA = --tp %d / %d = %d).",
+            kvp, chunk, kvp, chunk, cfg.tp_size, kvp, cfg.tp_size // kvp,
+        )  # fmt: skip
+        declare(server_args, **layout)
+
+
+def spelled_with_dcp_flags(server_args: Any, cfg: Any) -> bool:
+    """Whether DCP's own flags ask for Helix's layout: ``--dcp-size K > 1 --dcp-comm-backend a2a
+    --dcp-replicate-q-proj`` on a model that is not MLA (MLA's replicated Q is upstream's)."""
+    if raw(server_args, "helix_kvp_size", 1) != 1 or cfg.dcp_size <= 1:
+        return False
+    if not cfg.dcp_replicate_q_proj or cfg.dcp_comm_backend != "a2a":
+        return False
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return model_config_of(server_args).attention_arch != AttentionArch.MLA
+
+
+def declare_helix_flags(server_args: Any, cfg: Any) -> None:
+    """The DCP spelling of Helix's layout: the Helix fields follow (``--helix-kvp-size K
+    --helix-kvp-chunk-size I``), so both spellings resolve to the same server."""
+    layout = {"helix_kvp_size": cfg.dcp_size, "helix_kvp_chunk_size": cfg.dcp_interleave_size}
+    if any(getattr(cfg, f) != v for f, v in layout.items()):
+        logger.info(
+            "Decode context parallelism --dcp-size %d --dcp-comm-backend a2a --dcp-replicate-q-proj "
+            "--dcp-interleave-size %d on a GQA model is Helix parallelism (--helix-kvp-size %d "
+            "--helix-kvp-chunk-size %d).",
+            cfg.dcp_size, cfg.dcp_interleave_size, cfg.dcp_size, cfg.dcp_interleave_size,
+        )  # fmt: skip
+        declare(server_args, **layout)
 
 
 def pick_attention_backend(server_args: Any, cfg: Any) -> None:

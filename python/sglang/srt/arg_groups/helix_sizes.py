@@ -42,29 +42,30 @@ def helix_kv_page_size(cfg: Any) -> int:
 
 
 def check_page_size(server_args: Any, cfg: Any) -> None:
-    """``--page-size`` must be unset or 1: the page is Helix's (``resolve_kv_page``)."""
-    page_size = cfg.page_size
+    """``--page-size`` must be unset, 1 or the chunk: the page is Helix's (``resolve_kv_page``)."""
+    page_size, chunk = cfg.page_size, cfg.helix_kvp_chunk_size
     given = raw(server_args, "page_size", page_size)
-    if given in (None, 1) and page_size in (None, 1, helix_kv_page_size(cfg)):
+    if given in (None, 1, chunk) and page_size in (None, 1, chunk):
         return
     value = f"--page-size is {page_size}" if given == page_size else f"--page-size resolves to {page_size}"
     fail(
-        f"--helix-kvp-size {cfg.helix_kvp_size} supports only --page-size 1 "
-        f"yet, but {value}. Pass --page-size 1, or use --helix-kvp-size 1."
+        f"--helix-kvp-size {cfg.helix_kvp_size} allocates KV in pages of one --helix-kvp-chunk-size "
+        f"({chunk}) per rank, but {value}. Pass --page-size 1 (or {chunk}), or use --helix-kvp-size 1."
     )
 
 
 def resolve_kv_page(server_args: Any, cfg: Any) -> None:
-    """Declare ``page_size = P`` (``--page-size`` itself is checked to be unset or 1)."""
-    page = helix_kv_page_size(cfg)
-    check_page_for_device(cfg, page)
-    if cfg.page_size != page:
+    """Declare ``page_size = chunk``: DCP allocates in pages of ``page_size x dcp_size`` (one chunk
+    per rank, ``helix_kv_page_size``), and its tree cache matches in those pages."""
+    chunk = cfg.helix_kvp_chunk_size
+    check_page_for_device(cfg, helix_kv_page_size(cfg))
+    if cfg.page_size != chunk:
         logger.info(
-            "Helix parallelism: KV ids are allocated in pages of --helix-kvp-chunk-size %d x "
+            "Helix parallelism: --page-size %d; KV ids are allocated in pages of --helix-kvp-chunk-size %d x "
             "--helix-kvp-size %d = %d tokens (one ownership chunk per KVP rank).",
-            cfg.helix_kvp_chunk_size, cfg.helix_kvp_size, page,
+            chunk, chunk, cfg.helix_kvp_size, helix_kv_page_size(cfg),
         )  # fmt: skip
-        declare(server_args, page_size=page)
+        declare(server_args, page_size=chunk)
 
 
 def check_page_for_device(cfg: Any, page: int) -> None:

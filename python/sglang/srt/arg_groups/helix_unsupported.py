@@ -37,11 +37,6 @@ _WRAPPED = "it wraps the attention backend, which the Helix attention does not d
 
 UNSUPPORTED = (
     Feature(
-        "decode context parallelism",
-        (Flag("--dcp-size", "dcp_size", 1, reset=True),),
-        "both shard the KV cache along the sequence",
-    ),
-    Feature(
         "prefill context parallelism",
         (
             Flag("--enable-prefill-cp", "enable_prefill_cp", False),
@@ -169,12 +164,17 @@ UNSUPPORTED = (
 HELIX_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
-def check_unsupported_features(server_args: Any, cfg: Any) -> None:
+def check_unsupported_flags(server_args: Any, cfg: Any) -> None:
+    """The features of ``UNSUPPORTED``: run before DCP's own step, so the refusal names Helix."""
     for feature in UNSUPPORTED:
         on = [(f, getattr(cfg, f.field)) for f in feature.flags if _on(getattr(cfg, f.field), f.off)]
         if on:
             given = [_given(f, value) for f, value in on]
             unsupported(cfg, feature.name, given, _fix([f for f, _ in on]), feature.why)
+
+
+def check_unsupported_features(server_args: Any, cfg: Any) -> None:
+    check_unsupported_flags(server_args, cfg)
     if cfg.kv_cache_dtype not in HELIX_KV_CACHE_DTYPES:
         unsupported(
             cfg, "block-scaled KV cache recipes yet", [f"--kv-cache-dtype {cfg.kv_cache_dtype}"],
@@ -252,7 +252,7 @@ def _check_draft_model(cfg: Any) -> None:
             "the draft's attention reads the same sequence-sharded KV pool",
         )  # fmt: skip
     k = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    tpa = cfg.helix_tpa_size or cfg.tp_size // cfg.helix_kvp_size
+    tpa = cfg.tp_size // cfg.helix_kvp_size
     if tpa > k or k % tpa or hf.num_attention_heads % cfg.tp_size:
         unsupported(
             cfg, "this draft model's head counts",

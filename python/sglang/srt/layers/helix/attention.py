@@ -1,9 +1,13 @@
 """Helix attention for one layer: write the owned K/V, attend over the local shard, merge.
 
+DCP's GQA mode (``--helix-kvp-size K`` = ``--dcp-size K --dcp-comm-backend a2a
+--dcp-replicate-q-proj --dcp-interleave-size C``): the attention backends' forward calls
+``helix_attention`` (the model calls ``self.attn`` as always). KVP is DCP's group and ranks.
+
     q [T, Q/TPA, D], k/v [T, K/TPA, D]                    (qkv_proj over TPA, replicated over KVP)
-      -> write K/V of the tokens this rank owns           (physical rows; others go to a trash row)
+      -> write K/V of the tokens this rank owns           (physical rows; DCP's masked store)
       -> partial attention over this rank's KV shard      (out [T, Q/TPA, D], lse [T, Q/TPA])
-      -> ONE All-to-All over the KVP group + LSE merge    (exact attention [T, Q/N, D])
+      -> ONE All-to-All over the DCP group + LSE merge    (exact attention [T, Q/N, D])
       -> [T, Q/N * D] for o_proj (TP over all N ranks)
 
 Partial attention contract (both backends): for query token t at global position p, attend to the
@@ -40,8 +44,6 @@ import torch
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton
 from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed
 from sglang.srt.layers.dcp.layout import localize_dcp_indices
 from sglang.srt.layers.dcp.torch_attention import partial_attention
@@ -53,7 +55,6 @@ from sglang.srt.layers.helix.decode_state import (
     num_kv_splits_by_local_len,
     send_views,
 )
-from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.runtime_context import get_parallel
 
 @dataclass
@@ -61,7 +62,7 @@ class HelixForwardMetadata:
     kvp_rank: int
     kvp_size: int
     chunk: int
-    write_rows: torch.Tensor  # [T] physical row of each new token on this rank (trash if not owned)
+    write_rows: torch.Tensor  # [T] physical row of each new token on this rank (-1 if not owned)
     kv_indptr: torch.Tensor  # [B+1] local KV list of positions [0, seq_len) (new tokens included)
     kv_indices: torch.Tensor  # [L]
     total_local: int
@@ -75,11 +76,11 @@ class HelixForwardMetadata:
     out_cache_loc: Optional[torch.Tensor] = None  # the forward it was built for (``of``)
 
     @classmethod
-    def build(cls, forward_batch) -> "HelixForwardMetadata":
+    def build(cls, forward_batch, backend) -> "HelixForwardMetadata":
         parallel = get_parallel()
-        k, n, c = parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
+        k, n, c = parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size
         rows = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
-        pool = _req_to_token(get_attn_backend())
+        pool = _req_to_token(backend)
         kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
         total = kv_layout.total_local_len(kv_ends_cpu, k, n, c)
         indptr, indices, positions = kv_layout.local_kv_indices(
@@ -90,13 +91,13 @@ class HelixForwardMetadata:
         return meta
 
     @classmethod
-    def of(cls, forward_batch) -> "HelixForwardMetadata":
+    def of(cls, forward_batch, backend) -> "HelixForwardMetadata":
         """Built on a forward's first layer, shared by its other layers. The speculative draft
         runs its decode steps on one ForwardBatch, each step with new ``out_cache_loc`` (and
         positions): a new ``out_cache_loc`` is a new forward."""
         meta = getattr(forward_batch, "helix_metadata", None)
         if meta is None or meta.out_cache_loc is not forward_batch.out_cache_loc:
-            meta = cls.build(forward_batch)
+            meta = cls.build(forward_batch, backend)
             forward_batch.helix_metadata = meta
         return meta
 
@@ -209,40 +210,33 @@ def _req_to_token(backend) -> torch.Tensor:
 
 
 
-def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch) -> torch.Tensor:
+def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads: ``[T, Q/N * Dv]``, ready for ``o_proj``.
 
-    ``layer`` is the ``RadixAttention`` built with the TPA-local head counts.
+    Called by the attention backends in DCP's GQA mode (``--helix-kvp-size``, or ``--dcp-size
+    --dcp-comm-backend a2a --dcp-replicate-q-proj``): ``TritonAttnBackend`` (its ``helix_decode``
+    state holds the decode lists) and ``TorchNativeAttnBackend``. ``layer`` is the
+    ``RadixAttention`` with the TPA-local head counts (Q/TPA, K/TPA).
     """
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
-    k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
-    v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
-    backend = get_attn_backend()
     kv_pool = backend.token_to_kv_pool
-    triton = isinstance(backend, TritonAttnBackend)
-    if not triton and not isinstance(backend, TorchNativeAttnBackend):
-        # e.g. a HybridAttnBackend: the Helix hook refuses the flags that build one
-        raise NotImplementedError(
-            f"helix attention: no Helix path for the attention backend {type(backend).__name__}; "
-            "only TritonAttnBackend and TorchNativeAttnBackend run under --helix-kvp-size > 1"
-        )
+    triton = hasattr(backend, "helix_decode")  # TritonAttnBackend (its decode lists), else torch_native
     if triton and forward_batch.forward_mode.is_decode():
         state = backend.helix_decode
         if forward_batch.spec_info is not None and not state.holds_draft_step(forward_batch):
             state.prepare_draft_step(forward_batch, *kv_ends_of(forward_batch))  # lists end at its position
         meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
     else:
-        meta = HelixForwardMetadata.of(forward_batch)
-    if forward_batch.forward_mode.is_extend() and _kv_scales(layer, kv_pool, k.dtype):
-        # The write divides k/v by the KV scales in place; the Triton extend still reads the
-        # chunk being prefilled from them (as upstream's Triton backend, clone first).
-        kv_pool.set_kv_buffer(layer, meta.write_rows, k.clone(), v.clone(), layer.k_scale, layer.v_scale)
-    else:
-        kv_pool.set_kv_buffer(layer, meta.write_rows, k, v, layer.k_scale, layer.v_scale)
+        meta = HelixForwardMetadata.of(forward_batch, backend)
+    if k is not None:
+        k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
+        v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
+    if save_kv_cache and k is not None:
+        _write_owned(layer, kv_pool, meta.write_rows, k, v, triton, forward_batch.forward_mode.is_extend())
 
-    # One All-to-All of the partials over the KVP group + the LSE combine: [T, Q/N, Dv]
-    group = get_parallel().helix_kvp_group
+    # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
+    group = get_parallel().dcp_group
     if isinstance(meta, HelixDecodeMetadata):
         send, recv = _triton_decode(layer, q, meta, backend)  # send already holds the partials
         merged = dcp_a2a_lse_reduce_packed(send, recv, q.shape[0], group)
@@ -253,6 +247,23 @@ def helix_attention(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
             out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
         merged = dcp_a2a_lse_reduce(out, lse, group)
     return merged.reshape(merged.shape[0], -1)
+
+
+def _write_owned(layer, kv_pool, rows: torch.Tensor, k, v, triton: bool, extend: bool) -> None:
+    """Store the K/V of the tokens this rank owns at their rows (``rows [T]``, -1 where another
+    rank owns the token). Triton: DCP's masked store (``dcp_kv_mask``), no host sync, capturable;
+    torch_native: the owned rows selected on the host."""
+    if extend and _kv_scales(layer, kv_pool, k.dtype):
+        # The write divides k/v by the KV scales in place; the Triton extend still reads the
+        # chunk being prefilled from them (as upstream's Triton backend, clone first).
+        k, v = k.clone(), v.clone()
+    if triton:
+        kv_pool.set_kv_buffer(
+            layer, rows.clamp(min=0), k, v, layer.k_scale, layer.v_scale, dcp_kv_mask=rows >= 0
+        )  # fmt: skip
+        return
+    owned = rows >= 0
+    kv_pool.set_kv_buffer(layer, rows[owned], k[owned], v[owned], layer.k_scale, layer.v_scale)
 
 
 def _decode_metadata(state: HelixDecodeState, num_tokens: int) -> HelixDecodeMetadata:

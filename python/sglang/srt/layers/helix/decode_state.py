@@ -2,7 +2,7 @@
 
 A decode step of Helix attention needs, per forward batch (shared by all layers):
 
-    write_rows  [T]           physical row of each new token on this rank (trash row if not owned)
+    write_rows  [T]           physical row of each new token on this rank (-1 if not owned: masked)
     kv_indptr   [B+1]         CSR over this rank's local KV lists (positions [0, seq_len) it owns)
     kv_indices  [capacity]    the physical rows of those lists; only [0, kv_indptr[B]) is meaningful
 
@@ -25,7 +25,8 @@ runs eagerly and inside a CUDA graph:
   largest captured batch and context and never reallocated (a graph holds their addresses).
 
 Padded requests of a replayed graph (``seq_len`` 1, slot 0, write loc 0) list position 0 on KVP
-rank 0 and nothing elsewhere, and write to the trash row: harmless, their outputs are dropped.
+rank 0 and nothing elsewhere, and write loc 0 (rank 0's row 0, in the allocator's reserved page 0;
+masked out on the other ranks): harmless, their outputs are dropped.
 
 The local KV lists come from upstream DCP's list kernel, ``create_triton_kv_indices_for_dcp_triton``
 with ``interleave_size = chunk`` (one program per request, no host-sized allocation), over the
@@ -202,20 +203,15 @@ def graph_buffer_bytes(kvc) -> int:
         return 0
     max_bs = reserved_batch()
     model_config = kvc.model_config
-    kvp, chunk = parallel.helix_kvp_size, parallel.helix_kvp_chunk_size
+    kvp, chunk = parallel.attn_dcp_size, parallel.dcp_interleave_size
     capacity = max_bs * int(local_kv_lens(model_config.context_len, 0, kvp, chunk))
-    num_heads = model_config.num_attention_heads // parallel.helix_tpa_size
+    num_heads = model_config.num_attention_heads // (parallel.attn_tp_size // kvp)  # Q/TPA
     splits = max(get_exec().kernel.triton_attention_num_kv_splits, HELIX_MAX_KV_SPLITS)
     return buffer_bytes(max_bs, capacity, num_heads, model_config.v_head_dim, model_config.dtype, splits, kvp)
 
 
 # HelixDecodeState.for_this_rank: the rank's state per request table (id -> state; the state holds the table)
 _RANK_STATES: dict = {}
-
-
-def _grow(need: int, have: int) -> int:
-    """A buffer size that fits ``need``: ``have`` if it does, else at least double (few reallocations)."""
-    return have if need <= have else max(need, 2 * have)
 
 
 class HelixDecodeState:
@@ -225,17 +221,21 @@ class HelixDecodeState:
     ``prepare_in_graph`` (graph capture); Helix attention reads ``metadata``.
     """
 
-    def __init__(self, req_to_token: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int, reserved_bs: int = 0):
+    def __init__(
+        self, req_to_token: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int, reserved_bs: int = 0,
+        max_context_len: Optional[int] = None,
+    ):  # fmt: skip
         self.req_to_token = req_to_token
-        self.reserved_bs = reserved_bs  # the set the KV pool sizing charged (graph_buffer_bytes)
+        self.reserved_bs = reserved_bs  # the set the KV pool sizing charged (graph_buffer_bytes) ...
+        # ... for requests of the model's context length, as the charge counts them
+        self.max_context_len = max_context_len or req_to_token.shape[1]
         self.kvp_rank, self.kvp_size, self.chunk = kvp_rank, kvp_size, chunk
         self.device = req_to_token.device
-        self.eager: Optional[HelixDecodeBuffers] = None
         self.graph: Optional[HelixDecodeBuffers] = None
         self.metadata: Optional[HelixDecodeMetadata] = None
 
     @classmethod
-    def for_this_rank(cls, req_to_token: torch.Tensor) -> Optional["HelixDecodeState"]:
+    def for_this_rank(cls, req_to_token: torch.Tensor, max_context_len: Optional[int] = None) -> Optional["HelixDecodeState"]:
         """This rank's state under Helix (``--helix-kvp-size`` > 1), else None: one per request
         table, so the backends that share it share one buffer set (the one the pool sizing
         charged): a speculative draft's per-step Triton backends use the target's request table
@@ -246,8 +246,8 @@ class HelixDecodeState:
         state = _RANK_STATES.get(id(req_to_token))
         if state is None or state.req_to_token is not req_to_token:
             state = _RANK_STATES[id(req_to_token)] = cls(
-                req_to_token, parallel.helix_kvp_rank, parallel.helix_kvp_size, parallel.helix_kvp_chunk_size,
-                reserved_batch(),
+                req_to_token, parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size,
+                reserved_batch(), max_context_len,
             )  # fmt: skip
         return state
 
@@ -287,19 +287,16 @@ class HelixDecodeState:
         batch, num_tokens = forward_batch.req_pool_indices.shape[0], forward_batch.out_cache_loc.shape[0]
         total = int(local_kv_lens(kv_ends_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum())
         if self.graph is None and self.reserved_bs:  # the charged set, at the first decode
-            self.graph = self._buffers(self.reserved_bs, self.req_to_token.shape[1])
+            self.graph = self._buffers(self.reserved_bs, self.max_context_len)
         graph = self.graph
         if graph is not None and max(batch, num_tokens) <= graph.max_bs and total <= graph.capacity:
             self.metadata = self.fill(graph, forward_batch, kv_ends)  # one set of buffers, not two
             return
-        eager = self.eager
-        if eager is None or num_tokens > eager.max_bs or batch > eager.max_bs or total > eager.capacity:
-            have_bs, have_capacity = (eager.max_bs, eager.capacity) if eager is not None else (0, 0)
-            self.eager = eager = HelixDecodeBuffers(
-                _grow(max(batch, num_tokens), have_bs), _grow(max(total, 1), have_capacity),
-                self.kvp_size, self.device, fixed=False,
-            )  # fmt: skip
-        self.metadata = self.fill(eager, forward_batch, kv_ends)
+        # A batch beyond the charged set (more requests than the largest graph batch): buffers of
+        # this step only, as upstream's eager decode allocates its split buffers per step (from the
+        # activation memory), never kept past it.
+        step = HelixDecodeBuffers(max(batch, num_tokens), max(total, 1), self.kvp_size, self.device, fixed=False)
+        self.metadata = self.fill(step, forward_batch, kv_ends)
 
     def holds_draft_step(self, forward_batch) -> bool:
         """Whether ``metadata`` was filled for this speculative draft step: each step binds new

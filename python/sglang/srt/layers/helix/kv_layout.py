@@ -22,13 +22,10 @@ import torch
 
 from sglang.srt.layers.dcp.layout import get_dcp_lens, localize_dcp_indices
 
-TRASH_ROW = 0  # physical rows of the reserved logical page 0: never hold a real token
-
-
 def write_rows(out_cache_loc: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int) -> torch.Tensor:
-    """``[T]`` physical row of each new token on this rank; ``TRASH_ROW`` for tokens it does not own."""
-    rows = localize_dcp_indices(out_cache_loc.to(torch.int64), kvp_size, kvp_rank, interleave_size=chunk)
-    return rows.masked_fill_(rows < 0, TRASH_ROW)
+    """``[T]`` physical row of each new token on this rank, -1 for tokens it does not own (the
+    write masks them: ``rows >= 0`` is DCP's ``dcp_kv_mask``)."""
+    return localize_dcp_indices(out_cache_loc.to(torch.int64), kvp_size, kvp_rank, interleave_size=chunk)
 
 
 def local_kv_lens(seq_lens, kvp_rank: int, kvp_size: int, chunk: int, start=None) -> torch.Tensor:
