@@ -62,16 +62,17 @@ def owner_rank(pos, kvp: int, chunk: int):
 def split_counts(lens: torch.Tensor, heads: int, kv_heads: int, splits: int, policy: bool, cores: int):
     """``(num_kv_splits [B], max_kv_splits)``: the decode kernel's split setting for requests of
     ``lens`` KV tokens. Off: ``splits`` for every request (SGLang's default, 8). On: Helix's
-    per-request policy (``decode_state.num_kv_splits_by_local_len``, capped at
-    ``max(splits, HELIX_MAX_KV_SPLITS)``) for ``cores`` SMs."""
+    policy (``decode_state.KVSplitPolicy`` with ``splits`` as the backend's setting: the batch's
+    split extent for ``cores`` SMs, then ``num_kv_splits_by_local_len`` per request)."""
     num = torch.full(lens.shape, splits, dtype=torch.int32, device=lens.device)
     if not policy:
         return num, splits
     from sglang.srt.layers.helix import decode_state
 
-    cap = max(splits, decode_state.HELIX_MAX_KV_SPLITS)
-    decode_state.num_kv_splits_by_local_len(num, lens, heads, kv_heads, cap, cores)
-    return num, cap
+    kv_policy = decode_state.KVSplitPolicy(splits, max(splits, decode_state.HELIX_MAX_KV_SPLITS), cores)
+    extent = kv_policy.grid_splits(lens.shape[0], heads, kv_heads)
+    decode_state.num_kv_splits_by_local_len(num, lens, heads, kv_heads, extent, cores)
+    return num, extent
 
 
 def shard_positions(context: int, kvp: int, chunk: int) -> list:

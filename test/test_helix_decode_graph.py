@@ -458,17 +458,35 @@ def test_split_policy_per_request_from_local_length():
 
 
 def test_split_policy_follows_the_backend_settings():
+    Policy = decode_state.KVSplitPolicy
     backend = SimpleNamespace(max_kv_splits=8, static_kv_splits=False, device_core_count=132, split_tile_size=None)
-    assert decode_state.kv_split_policy(backend) == (decode_state.HELIX_MAX_KV_SPLITS, 132)
-    backend.max_kv_splits = 128  # --triton-attention-num-kv-splits 128: a higher cap is kept
-    assert decode_state.kv_split_policy(backend) == (128, 132)
+    assert decode_state.kv_split_policy(backend) == Policy(8, decode_state.HELIX_MAX_KV_SPLITS, 132)
+    backend.max_kv_splits = 512  # --triton-attention-num-kv-splits 512: a higher cap is kept
+    assert decode_state.kv_split_policy(backend) == Policy(512, 512, 132)
     for static in (
         dict(device_core_count=0),  # the CPU
         dict(static_kv_splits=True),  # SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS
         dict(split_tile_size=256),  # deterministic inference: fixed tiles
     ):
         b = SimpleNamespace(**{**vars(backend), "max_kv_splits": 8, **static})
-        assert decode_state.kv_split_policy(b) == (8, 0), static
+        assert decode_state.kv_split_policy(b) == Policy(8, 8, 0), static
+        assert decode_state.kv_split_policy(b).grid_splits(1, 8, 1) == 8
+
+
+def test_split_extent_fills_the_sms_per_batch():
+    """A batch's split extent (the decode grid's split axis and the workspace's S) fills
+    HELIX_CTAS_PER_SM programs per SM, a power of two between the backend's splits and the cap:
+    the H200 measurements (batch 1: 256 splits, batch 4: 128 beat 256) on 132 SMs."""
+    policy = decode_state.KVSplitPolicy(8, decode_state.HELIX_MAX_KV_SPLITS, 132)
+    by_batch = {b: policy.grid_splits(b, 8, 1) for b in (1, 2, 3, 4, 8, 16, 64, 256)}
+    assert by_batch == {1: 256, 2: 256, 3: 128, 4: 128, 8: 64, 16: 32, 64: 8, 256: 8}, by_batch
+    assert policy.grid_splits(1, 16, 2) == 256 and policy.grid_splits(4, 16, 2) == 64  # two KV-head programs
+    assert policy.grid_splits(4, 8, 8) == 16  # MHA: a program per head
+    # The workspace holds every batch's (token, split) rows: batch 256 x 8 here, not 256 x 256.
+    assert policy.workspace_rows(256, 8, 1) == 256 * 8
+    assert policy.workspace_rows(4, 8, 1) == 512
+    # Every extent it can launch is one of a few kernel variants (stage 2's MAX_KV_SPLITS is constexpr).
+    assert {policy.grid_splits(b, 8, 1) for b in range(1, 513)} == {8, 16, 32, 64, 128, 256}
 
 
 def test_the_all_to_all_runs_over_the_dcp_group(monkeypatch):

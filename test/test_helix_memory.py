@@ -21,6 +21,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR
 if STUB_DIR not in sys.path:
     sys.path.insert(0, STUB_DIR)
 
+import sglang.srt.utils  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.helix import decode_state  # noqa: E402
 from sglang.srt.layers.helix.decode_state import HelixDecodeState, graph_buffer_bytes  # noqa: E402
@@ -34,7 +35,7 @@ MODELS = {
 CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
 
 
-def _reserved(monkeypatch, q, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True):
+def _reserved(monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True, cores=132):
     parallel = SimpleNamespace(
         helix_enabled=helix, attn_dcp_size=KVP, attn_tp_size=TP, dcp_interleave_size=CHUNK,
     )  # fmt: skip
@@ -45,36 +46,45 @@ def _reserved(monkeypatch, q, v_head_dim, dtype=torch.bfloat16, splits_flag=8, h
     )  # fmt: skip
     monkeypatch.setattr(decode_state, "get_parallel", lambda: parallel)
     monkeypatch.setattr(runtime_context, "get_exec", lambda: exec_)
+    monkeypatch.setattr(sglang.srt.utils, "get_device_core_count", lambda device_id=0: cores)
     kvc = SimpleNamespace(
-        model_config=SimpleNamespace(num_attention_heads=q, v_head_dim=v_head_dim, context_len=CONTEXT, dtype=dtype)
-    )
+        model_config=SimpleNamespace(
+            num_attention_heads=q, get_total_num_kv_heads=lambda: k, v_head_dim=v_head_dim, context_len=CONTEXT,
+            dtype=dtype,
+        )
+    )  # fmt: skip
     return graph_buffer_bytes(kvc)
 
 
-def _allocated(q, v_head_dim, dtype=torch.bfloat16, splits=decode_state.HELIX_MAX_KV_SPLITS):
+def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8):
     """What the shipped state allocates for the graph: lists + one layer's workspace (meta)."""
     req_to_token = torch.empty(MAX_BS + 1, CONTEXT, dtype=torch.int32, device="meta")
     state = HelixDecodeState(req_to_token, 0, KVP, CHUNK)
     state.init_graph_state(MAX_BS, CONTEXT)
     buffers = state.graph
-    buffers.workspace(MAX_BS, q // (TP // KVP), v_head_dim, dtype, splits)
+    tpa = TP // KVP
+    policy = decode_state.KVSplitPolicy(splits_flag, max(splits_flag, decode_state.HELIX_MAX_KV_SPLITS), cores)
+    if not cores:  # the backend's fixed setting (kv_split_policy): no per-request policy
+        policy = decode_state.KVSplitPolicy(splits_flag, splits_flag, 0)
+    buffers.workspace(MAX_BS, q // tpa, max(1, k // tpa), v_head_dim, dtype, policy)
     tensors = [buffers.write_rows, buffers.kv_indptr, buffers.kv_indices, *buffers._workspace[1]]
     assert all(t.device.type == "meta" for t in tensors)
     return sum(t.nbytes for t in tensors)
 
 
+@pytest.mark.parametrize("cores", [132, 0], ids=["gpu", "cpu"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_reserved_equals_allocated_for_real_models(name, monkeypatch):
-    q, _, v_head_dim = MODELS[name]
-    reserved = _reserved(monkeypatch, q, v_head_dim)
-    allocated = _allocated(q, v_head_dim)
+def test_reserved_equals_allocated_for_real_models(name, cores, monkeypatch):
+    q, k, v_head_dim = MODELS[name]
+    reserved = _reserved(monkeypatch, q, k, v_head_dim, cores=cores)
+    allocated = _allocated(q, k, v_head_dim, cores=cores)
     assert abs(reserved - allocated) <= 0.01 * allocated, (name, reserved, allocated)
     # The lists are 1/KVP of upstream's full-context index buffer (int64): rank 0 owns the most.
     assert allocated > MAX_BS * CONTEXT // KVP * 8
 
 
 def test_nothing_is_reserved_with_helix_off(monkeypatch):
-    assert _reserved(monkeypatch, 64, 128, helix=False) == 0
+    assert _reserved(monkeypatch, 64, 8, 128, helix=False) == 0
 
 
 def test_eager_decode_uses_the_one_charged_set():

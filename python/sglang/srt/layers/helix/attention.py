@@ -370,10 +370,13 @@ def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
     _check_layer(layer)
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape
-    splits, core_count = kv_split_policy(backend)
-    attn_logits, attn_lse, num_kv_splits, send, recv = meta.buffers.workspace(T, H, layer.v_head_dim, q.dtype, splits)
+    policy = kv_split_policy(backend)
+    attn_logits, attn_lse, num_kv_splits, send, recv = meta.buffers.workspace(
+        T, H, layer.tp_k_head_num, layer.v_head_dim, q.dtype, policy
+    )  # attn_logits [T, Q/TPA, S, Dv]: S, the batch's split extent
+    splits = attn_logits.shape[2]
     if not meta.splits_ready:  # once per batch, by its first layer (recorded once in a graph)
-        num_kv_splits_by_local_len(num_kv_splits, meta.local_lens, H, layer.tp_k_head_num, splits, core_count)
+        num_kv_splits_by_local_len(num_kv_splits, meta.local_lens, H, layer.tp_k_head_num, splits, policy.core_count)
         meta.splits_ready = True
     out, lse = send_views(send, layer.v_head_dim)  # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
     decode_attention_fwd(

@@ -12,7 +12,7 @@ and per layer (reused by every layer, as upstream's Triton backend reuses ``attn
     send / recv [KVP, T, H/KVP, Dv + lpd]     the All-to-All buffers (stage 2 writes the partial
                                               output and LSE straight into send: the head-split-output patch)
 
-(``H = Q/TPA`` heads, ``S`` = the backend's ``max_kv_splits``). ``HelixDecodeState.fill`` writes the
+(``H = Q/TPA`` heads, ``S`` = the batch's split extent, ``KVSplitPolicy.grid_splits``). ``HelixDecodeState.fill`` writes the
 three lists in place with device ops whose shapes come only from the batch's tensor shapes (``B``,
 ``T``: fixed for a captured graph), never from a value read back from the device, so the same code
 runs eagerly and inside a CUDA graph:
@@ -50,8 +50,13 @@ from sglang.srt.runtime_context import get_parallel
 logger = logging.getLogger(__name__)
 
 # Split cap of the per-request split policy (a GPU): at batch 1 a rank's shard of a long context
-# needs far more than upstream's default 8 splits to fill the SMs (docs/helix-design.md).
-HELIX_MAX_KV_SPLITS = 64
+# needs far more than upstream's default 8 splits to fill the SMs. Measured on an H200
+# (benchmark/README.md, 8 query / 1 KV head): at 1M tokens batch 1, 256 splits are 1.6-2.7x faster
+# than 64; at batch 4, 128 splits beat 256 by 1.2-1.4x ...
+HELIX_MAX_KV_SPLITS = 256
+# ... so a batch's split extent fills the SMs this many CTAs deep and no more (batch 1: 528 CTAs on
+# 132 SMs caps at 256 splits, batch 4 gets 128, batch 8 64, batch 64 upstream's 8).
+HELIX_CTAS_PER_SM = 4
 # ... and at least this many KV tokens per split: upstream's heuristic alone spreads a lone short
 # request over every split (64 tokens over 64 splits), where the stage-2 reduction costs more.
 HELIX_MIN_TOKENS_PER_SPLIT = 256
@@ -70,17 +75,49 @@ def send_views(send: torch.Tensor, head_dim: int) -> Tuple[torch.Tensor, torch.T
     return send[..., :head_dim], send.view(torch.float32)[..., head_dim // lpd]
 
 
-def kv_split_policy(backend) -> Tuple[int, int]:
-    """``(max_kv_splits, device_core_count)`` of Helix decode on ``backend`` (a TritonAttnBackend).
+def _head_tiles(num_heads: int, num_kv_heads: int) -> int:
+    """Stage 1's grid extent along heads (``decode_attention_fwd``: grouped kernels take up to 16
+    query heads of one KV head per program, the MHA kernel one head)."""
+    group = num_heads // num_kv_heads
+    return num_heads if group == 1 else triton.cdiv(num_heads, min(16, group))
 
-    With the SM count known and no static or tiled split setting, the split count is chosen per
-    request from its local KV length, up to ``max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS)``;
-    otherwise (the CPU, ``SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS``, deterministic tiles) every
-    request gets the backend's ``max_kv_splits`` (core count returned as 0).
+
+@dataclass(frozen=True)
+class KVSplitPolicy:
+    """How Helix decode splits a rank's local KV over stage-1 programs on one backend.
+
+    ``core_count == 0`` (the CPU, ``SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS``, deterministic
+    tiles): every request gets ``min_splits`` (the backend's ``max_kv_splits``), as upstream.
+    Otherwise a batch of ``B`` tokens launches ``grid_splits(B)`` splits -- enough programs to fill
+    ``HELIX_CTAS_PER_SM`` per SM, a power of two in ``[min_splits, max_splits]`` (few kernel
+    variants) -- and each request takes what its local length needs of them
+    (``num_kv_splits_by_local_len``). ``B`` is a shape: capturable, one extent per graph.
     """
+
+    min_splits: int
+    max_splits: int
+    core_count: int
+
+    def grid_splits(self, batch: int, num_heads: int, num_kv_heads: int) -> int:
+        if self.core_count <= 0:
+            return self.min_splits
+        fill = triton.cdiv(HELIX_CTAS_PER_SM * self.core_count, max(1, batch) * _head_tiles(num_heads, num_kv_heads))
+        fill = 1 << (fill.bit_length() - 1)  # a power of two, at most the fill
+        return min(self.max_splits, max(self.min_splits, fill))
+
+    def workspace_rows(self, max_bs: int, num_heads: int, num_kv_heads: int) -> int:
+        """``max(T * grid_splits(T))`` over batches up to ``max_bs``: the (token, split) rows one
+        workspace holds for every batch it serves."""
+        return max(t * self.grid_splits(t, num_heads, num_kv_heads) for t in range(1, max(1, max_bs) + 1))
+
+
+def kv_split_policy(backend) -> KVSplitPolicy:
+    """Helix decode's split policy on ``backend`` (a TritonAttnBackend): per request, from its
+    local KV length, with the SM count known and no static or tiled split setting; else the
+    backend's fixed ``max_kv_splits``. ``--triton-attention-num-kv-splits`` above 256 raises the cap."""
     if backend.static_kv_splits or backend.device_core_count <= 0 or backend.split_tile_size is not None:
-        return backend.max_kv_splits, 0
-    return max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS), backend.device_core_count
+        return KVSplitPolicy(backend.max_kv_splits, backend.max_kv_splits, 0)
+    return KVSplitPolicy(backend.max_kv_splits, max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS), backend.device_core_count)
 
 
 def num_kv_splits_by_local_len(
@@ -135,51 +172,64 @@ class HelixDecodeBuffers:
         self.kv_indices = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._workspace: Optional[Tuple] = None  # (key, tensors) of the per-layer workspace
 
-    def workspace(self, num_tokens: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int):
-        """``(attn_logits, attn_lse, num_kv_splits, send, recv)`` for ``num_tokens`` tokens.
+    def workspace(
+        self, num_tokens: int, num_heads: int, num_kv_heads: int, v_head_dim: int, dtype: torch.dtype,
+        splits: KVSplitPolicy,
+    ):  # fmt: skip
+        """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [T], send, recv)`` for
+        ``T = num_tokens`` tokens, ``S = splits.grid_splits(T, ...)``.
 
-        Allocated for ``max_bs`` tokens by the first layer that asks (for a graph: in the warm-up
-        before capture, outside the graph), views of the first ``num_tokens`` rows after; every
-        layer has the same head shape, so it is allocated once.
+        Allocated once, by the first layer that asks (for a graph: in the warm-up before capture,
+        outside the graph), with room for every batch up to ``max_bs`` (``workspace_rows``);
+        views after. Every layer has the same head shape.
         """
         kvp_size = self.kvp_size
-        key = (num_heads, v_head_dim, dtype, max_kv_splits)
+        key = (num_heads, num_kv_heads, v_head_dim, dtype, splits)
         if self._workspace is None or self._workspace[0] != key:
             if self._workspace is not None and self.fixed:
                 raise RuntimeError(
                     f"helix decode: the graph workspace was allocated for {self._workspace[0]}, "
                     f"a layer asks for {key}"
                 )
-            self._workspace = (key, self._allocate(num_heads, v_head_dim, dtype, max_kv_splits, kvp_size))
-        logits, lse_s, splits, send, recv = self._workspace[1]
-        a2a = a2a_buffer_shape(num_tokens, num_heads, v_head_dim, dtype, kvp_size)
+            rows = splits.workspace_rows(self.max_bs, num_heads, num_kv_heads)
+            self._workspace = (key, self._allocate(num_heads, v_head_dim, dtype, rows, kvp_size))
+        logits, lse_s, num_kv_splits, send, recv = self._workspace[1]
+        T, S = num_tokens, splits.grid_splits(num_tokens, num_heads, num_kv_heads)
+        a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
         n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
-        return logits[:num_tokens], lse_s[:num_tokens], splits[:num_tokens], send[:n].view(a2a), recv[:n].view(a2a)
+        return (
+            logits[: T * num_heads * S * v_head_dim].view(T, num_heads, S, v_head_dim),
+            lse_s[: T * num_heads * S].view(T, num_heads, S),
+            num_kv_splits[:T],
+            send[:n].view(a2a),
+            recv[:n].view(a2a),
+        )
 
-    def _allocate(self, num_heads, v_head_dim, dtype, max_kv_splits, kvp_size):
+    def _allocate(self, num_heads, v_head_dim, dtype, split_rows, kvp_size):
         T, device = self.max_bs, self.device
         a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
         n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
         return (
-            torch.empty(T, num_heads, max_kv_splits, v_head_dim, dtype=torch.float32, device=device),
-            torch.empty(T, num_heads, max_kv_splits, dtype=torch.float32, device=device),
-            torch.full((T,), max_kv_splits, dtype=torch.int32, device=device),
+            torch.empty(split_rows * num_heads * v_head_dim, dtype=torch.float32, device=device),
+            torch.empty(split_rows * num_heads, dtype=torch.float32, device=device),
+            torch.ones(T, dtype=torch.int32, device=device),
             torch.empty(n, dtype=dtype, device=device),
             torch.empty(n, dtype=dtype, device=device),
         )
 
 
 def buffer_bytes(
-    max_bs: int, capacity: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, max_kv_splits: int, kvp_size: int
+    max_bs: int, capacity: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, split_rows: int, kvp_size: int
 ) -> int:
     """Bytes of one ``HelixDecodeBuffers(max_bs, capacity)`` with its workspace: the lists
     (``write_rows [B]`` int64, ``kv_indptr [B+1]`` int32, ``kv_indices [capacity]`` int64), the
-    split buffers (``[B, H, S, Dv]`` + ``[B, H, S]`` fp32, ``num_kv_splits [B]`` int32) and the
+    split buffers (``split_rows`` (token, split) rows of ``[H, Dv]`` + ``[H]`` fp32: ``KVSplitPolicy.
+    workspace_rows``; ``num_kv_splits [B]`` int32) and the
     All-to-All ``send``/``recv`` (``[KVP, B, H/KVP, Dv + lpd]`` of ``dtype`` each)."""
     a2a = a2a_buffer_shape(max_bs, num_heads, v_head_dim, dtype, kvp_size)
     elem = torch.empty((), dtype=dtype).element_size()
     lists = 8 * max_bs + 4 * (max_bs + 1) + 8 * capacity
-    splits = 4 * max_bs * num_heads * max_kv_splits * (v_head_dim + 1) + 4 * max_bs
+    splits = 4 * split_rows * num_heads * (v_head_dim + 1) + 4 * max_bs
     return lists + splits + 2 * elem * a2a[0] * a2a[1] * a2a[2] * a2a[3]
 
 
@@ -195,8 +245,10 @@ def graph_buffer_bytes(kvc) -> int:
     """What the decode buffer set (``reserved_batch()`` requests at the model's context, the lists,
     the first layer's workspace) will allocate on this rank, for the KV pool sizing to charge
     (``DefaultPoolConfigurator``); 0 with Helix off. Graph capture and every eager decode batch that
-    fits use this one set (``HelixDecodeState``), with the GPU split cap (``kv_split_policy``)."""
+    fits use this one set (``HelixDecodeState``), with the GPU's split policy (``kv_split_policy``;
+    charged as per request wherever the device reports its SMs)."""
     from sglang.srt.runtime_context import get_exec
+    from sglang.srt.utils import get_device_core_count
 
     parallel = get_parallel()
     if not parallel.helix_enabled:
@@ -205,9 +257,13 @@ def graph_buffer_bytes(kvc) -> int:
     model_config = kvc.model_config
     kvp, chunk = parallel.attn_dcp_size, parallel.dcp_interleave_size
     capacity = max_bs * int(local_kv_lens(model_config.context_len, 0, kvp, chunk))
-    num_heads = model_config.num_attention_heads // (parallel.attn_tp_size // kvp)  # Q/TPA
-    splits = max(get_exec().kernel.triton_attention_num_kv_splits, HELIX_MAX_KV_SPLITS)
-    return buffer_bytes(max_bs, capacity, num_heads, model_config.v_head_dim, model_config.dtype, splits, kvp)
+    tpa = parallel.attn_tp_size // kvp
+    num_heads = model_config.num_attention_heads // tpa  # Q/TPA
+    num_kv_heads = max(1, model_config.get_total_num_kv_heads() // tpa)  # K/TPA
+    min_splits = get_exec().kernel.triton_attention_num_kv_splits
+    policy = KVSplitPolicy(min_splits, max(min_splits, HELIX_MAX_KV_SPLITS), get_device_core_count())
+    rows = policy.workspace_rows(max_bs, num_heads, num_kv_heads)
+    return buffer_bytes(max_bs, capacity, num_heads, model_config.v_head_dim, model_config.dtype, rows, kvp)
 
 
 # HelixDecodeState.for_this_rank: the rank's state per request table (id -> state; the state holds the table)
