@@ -469,6 +469,9 @@ PREFIX_TESTS = {
     "[DCP] torch_native: decode context parallelism": [
         "test/test_dcp_gqa.py", "-k", "torch_attention or (dcp4 and not triton)",
     ],
+    "[Scheduler] A prompt the KV pool can never hold is refused, not queued forever": [
+        "test/test_scheduler_admission.py",
+    ],
     "[Helix] Server args: the Helix flags resolve into DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "kvp_size_below_one or interleave_size_below_one or chunk_size_below_one or not_divisible_by_kvp "
