@@ -1,0 +1,187 @@
+"""Unit-level Helix launches at real model shapes, for the Triton specialization record (issue 35).
+
+Drives ``helix_attention`` for one KVP rank (a chunked prefill of two requests -- an extend without
+and one with a prefix -- then decode steps at every batch that gives a different split extent)
+through the Triton backend's real code path, with the GPU's split policy (an SM count, so the
+per-request split counts and the batch-dependent split extent are what an H100 server launches),
+at the per-rank head counts of:
+
+- Llama-3.1-70B (64 query / 8 KV heads, head dim 128) at TPA 2 and 4;
+- Qwen3-235B-A22B (64 / 4, head dim 128) at TPA 2 and 4;
+- a head-dim-64 GQA model (Llama-3.2-1B: 32 / 8, head dim 64) at TPA 2;
+- the e2e suites' tiny Llamas (8 query heads, 4/2 KV heads (1 KV head gives q8k2/tpa2's shape), head dim 16) at TPA 2 and 4 (their
+  layouts' per-rank shapes: the e2e servers run interpreted in other processes, which the
+  recorder does not see);
+
+each with a bf16 KV cache and an fp8 (e4m3, scaled) one, at KVP 2 and 4 (stage 2's head groups).
+Under ``TRITON_INTERPRET=1`` on CPU tensors; no result is checked here (the tests check them).
+
+``python -m sglang_helix.triton_shapes --record OUT.json`` runs them all under the recorder;
+``--quick`` only the first shape (the default tier's fixture check).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+# (name, query heads per rank, KV heads per rank, head dim)
+SHAPES = [
+    ("llama-3.1-70b/tpa2", 32, 4, 128),
+    ("llama-3.1-70b/tpa4", 16, 2, 128),
+    ("qwen3-235b/tpa2", 32, 2, 128),
+    ("qwen3-235b/tpa4", 16, 1, 128),
+    ("llama-3.2-1b/tpa2", 16, 4, 64),
+    ("tiny-q8k4/tpa2", 4, 2, 16),
+    ("tiny-q8k4/tpa4", 2, 1, 16),
+    ("tiny-q8k2/tpa2", 4, 1, 16),
+]
+KV_DTYPES = ("bf16", "fp8_e4m3")
+KVPS = (2, 4)
+CHUNK = 64  # --helix-kvp-chunk-size's default
+CORE_COUNT = 132  # an H100's / H200's SMs (a B200: 148; both neither 1 nor a multiple of 16)
+MAX_KV_SPLITS = 8  # --triton-attention-num-kv-splits' default
+MAX_BATCH = 64
+
+
+def _setup():
+    from sglang_helix.testing.cpu_env import STUB_DIR
+
+    if STUB_DIR not in sys.path:
+        sys.path.insert(0, STUB_DIR)
+
+
+def decode_batches(h: int, kvh: int) -> list[int]:
+    """The first batch of each split extent the GPU policy gives, plus 1, 16 and 64 (an int
+    argument's specializations: == 1, a multiple of 16, neither)."""
+    from sglang.srt.layers.helix.decode_state import HELIX_MAX_KV_SPLITS, KVSplitPolicy
+
+    policy = KVSplitPolicy(MAX_KV_SPLITS, HELIX_MAX_KV_SPLITS, CORE_COUNT)
+    seen, out = set(), []
+    for t in range(1, MAX_BATCH + 1):
+        s = policy.grid_splits(t, h, kvh)
+        if s not in seen:
+            seen.add(s)
+            out.append(t)
+    return sorted(set(out) | {1, 3, 16})
+
+
+def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend=True):
+    import torch
+
+    from sglang.srt import runtime_context
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.helix import attention
+    from sglang.srt.layers.helix.decode_state import HelixDecodeState
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    class _Backend(TritonAttnBackend):
+        def __init__(self, pool, req_to_token):
+            self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
+            self.helix_decode = None
+            self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
+
+    kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_name]
+    scales = (2.5, 0.25) if kv_name.startswith("fp8") else None
+    batches = batches or decode_batches(H, KVH)
+    slots = max(max(batches), 2)
+    max_len = 2 * CHUNK * kvp + 8
+    page = CHUNK * kvp
+    req_to_token = torch.zeros(slots, max_len, dtype=torch.int32)
+    for s in range(slots):
+        req_to_token[s] = page * (1 + s * (max_len // page + 1)) + torch.arange(max_len, dtype=torch.int32)
+    rows = (slots * (max_len // page + 1) + 2) * CHUNK
+    pool = MHATokenToKVPool(rows, 1, kv_dtype, KVH, D, 1, "cpu", enable_memory_saver=False)
+    layer = SimpleNamespace(
+        layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
+        k_scale=None if scales is None else torch.tensor(scales[0]),
+        v_scale=None if scales is None else torch.tensor(scales[1]),
+        k_scale_float=None if scales is None else scales[0], v_scale_float=None if scales is None else scales[1],
+        logit_cap=0.0, sliding_window_size=-1,
+    )  # fmt: skip
+    runtime_context._PARALLEL = SimpleNamespace(
+        attn_dcp_rank=0, attn_dcp_size=kvp, dcp_interleave_size=CHUNK, dcp_group=None
+    )
+    attention.dcp_a2a_lse_reduce = lambda out, lse, group: out
+    attention.dcp_a2a_lse_reduce_packed = lambda send, recv, T, group: send[0, :T].reshape(T, -1)[:, : H * D]
+    g = torch.Generator().manual_seed(0)
+
+    def batch_of(mode, reqs):
+        sl = torch.tensor([s for s, _, _ in reqs])
+        prefix = torch.tensor([p for _, p, _ in reqs])
+        seq = torch.tensor([n for _, _, n in reqs])
+        return SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE,
+            req_pool_indices=sl, seq_lens=seq, seq_lens_cpu=seq,
+            positions=torch.cat([torch.arange(p, n) for _, p, n in reqs]), spec_info=None,
+            out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
+            extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
+            extend_seq_lens=seq - prefix, extend_seq_lens_cpu=(seq - prefix).tolist(),
+        )  # fmt: skip
+
+    def step(mode, reqs, state=None):
+        T = sum(n - p for _, p, n in reqs)
+        q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+        k = torch.randn(T, KVH, D, generator=g).to(torch.bfloat16)
+        v = torch.randn(T, KVH, D, generator=g).to(torch.bfloat16)
+        backend = _Backend(pool, req_to_token)
+        fb = batch_of(mode, reqs)
+        if mode == "decode":
+            backend.helix_decode = state
+            state.prepare_eager(fb)
+        if recorder is not None:
+            recorder.context = f"triton_shapes {name} kv={kv_name} kvp={kvp} {mode} T={T}"
+        attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), fb, backend)
+
+    ctx = CHUNK * kvp + 5  # every rank owns a chunk, rank 0 two
+    if extend:  # a chunked prefill: the first chunk, then the rest over the cached prefix
+        step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)])
+        step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)])
+    state = HelixDecodeState(req_to_token, 0, kvp, CHUNK)
+    for b in batches:
+        step("decode", [(s, ctx, ctx + 1) for s in range(b)], state)
+
+
+def run_all(recorder=None, quick=False):
+    _setup()
+    warnings.simplefilter("ignore")
+    shapes = SHAPES[:1] if quick else SHAPES
+    for name, H, KVH, D in shapes:
+        for kv_name in KV_DTYPES[:1] if quick else KV_DTYPES:
+            for i, kvp in enumerate(KVPS):
+                if H % kvp:
+                    continue
+                t0 = time.time()
+                run_shape(name, H, KVH, D, kv_name, kvp, recorder, batches=[1, 3] if quick else None, extend=(i == 0))
+                print(f"{name} kv={kv_name} kvp={kvp}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_helix.triton_shapes")
+    ap.add_argument("--record", help="write the recorded specializations to this JSON file")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    from sglang_helix.triton_specs import Recorder
+
+    rec = Recorder().install() if a.record else None
+    run_all(rec, a.quick)
+    if rec is not None:
+        keys = list(rec.specs)
+        with open(a.record, "w") as f:
+            json.dump({"specs": [rec.specs[k] for k in keys], "sources": [rec.sources[k] for k in keys],
+                       "errors": sorted(set(rec.errors))}, f)  # fmt: skip
+        print(f"{len(keys)} specializations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
