@@ -779,7 +779,7 @@ def test_help_documents_flags(capsys):
         "1 (the default) disables Helix.",
         "the same as --dcp-size KVP --dcp-comm-backend a2a --dcp-replicate-q-proj --dcp-interleave-size CHUNK",
         "the token at position p is stored on KVP rank (p // chunk) mod KVP (--dcp-interleave-size).",
-        "Unverified on GPUs end to end; see docs/helix-flags.md.",
+        "Not yet verified in a multi-GPU server.",
     ):
         assert squeeze(phrase) in squeeze(out)
     # The reasons behind the defaults live in docs/helix-flags.md, not in --help.
@@ -922,6 +922,31 @@ def test_speculative_draft_must_be_a_helix_model(model, tmp_path):
     message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(draft)])
     assert "does not support this draft model yet (--speculative-draft-model-path" in message, message
     assert "Use a draft of a Helix architecture (" in message and "LlamaForCausalLMEagle" in message, message
+
+
+def test_the_draft_config_is_read_once(model, tmp_path, monkeypatch):
+    """Helix's draft check reads the draft's config through upstream's cached ``get_config``, with
+    the arguments of upstream's own speculative step: the draft path is read as often as without
+    Helix, so Helix adds no hub call to argument resolution."""
+    import transformers
+
+    draft = write_tiny_model(str(tmp_path / "draft"), TinyModelSpec())
+    reads = []
+    real = transformers.AutoConfig.from_pretrained.__func__
+
+    def counting(cls, path, *args, **kwargs):
+        reads.append(str(path))
+        return real(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", classmethod(counting))
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    resolve(model(), ["--tp", "4", *_spec(draft)])
+    plain = reads.count(draft)
+    get_config.cache_clear()  # the second resolution reads from scratch too
+    reads.clear()
+    resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(draft)])
+    assert 1 <= reads.count(draft) == plain, (plain, reads)
 
 
 def test_speculative_draft_heads_must_fit_the_grid(model):

@@ -236,10 +236,12 @@ def _check_draft_model(cfg: Any) -> None:
     path = cfg.speculative_draft_model_path
     if not path:
         return
-    try:
-        from transformers import AutoConfig
+    try:  # the call (and cache entry) of upstream's handle_speculative_decoding: no second read
+        from sglang.srt.utils.hf_transformers_utils import get_config
 
-        hf = AutoConfig.from_pretrained(path, trust_remote_code=bool(cfg.trust_remote_code))
+        override = (cfg.decrypted_draft_config_file or "").strip()
+        extra = {"_configuration_file": override} if override else {}
+        hf = get_config(path, trust_remote_code=cfg.trust_remote_code, **extra)
     except (OSError, ValueError):
         return  # upstream's draft loading reports a path it cannot read
     archs = list(getattr(hf, "architectures", None) or [])

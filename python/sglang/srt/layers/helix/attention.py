@@ -74,6 +74,7 @@ class HelixForwardMetadata:
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
     out_cache_loc: Optional[torch.Tensor] = None  # the forward it was built for (``of``)
+    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the K/V store's arguments (_write_owned)
 
     @classmethod
     def build(cls, forward_batch, backend) -> "HelixForwardMetadata":
@@ -233,7 +234,7 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
         k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     if save_kv_cache and k is not None:
-        _write_owned(layer, kv_pool, meta.write_rows, k, v, triton, forward_batch.forward_mode.is_extend())
+        _write_owned(layer, kv_pool, meta, k, v, triton, forward_batch.forward_mode.is_extend())
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
@@ -249,21 +250,27 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
     return merged.reshape(merged.shape[0], -1)
 
 
-def _write_owned(layer, kv_pool, rows: torch.Tensor, k, v, triton: bool, extend: bool) -> None:
-    """Store the K/V of the tokens this rank owns at their rows (``rows [T]``, -1 where another
-    rank owns the token). Triton: DCP's masked store (``dcp_kv_mask``), no host sync, capturable;
-    torch_native: the owned rows selected on the host."""
+def _write_owned(layer, kv_pool, meta, k, v, triton: bool, extend: bool) -> None:
+    """Store the K/V of the tokens this rank owns at their rows (``meta.write_rows [T]``, -1 where
+    another rank owns the token). Triton: DCP's masked store (``dcp_kv_mask``), no host sync,
+    capturable; torch_native: the owned rows selected. What the store takes is derived from the
+    rows once per batch, by its first layer (``meta.store``)."""
     if extend and _kv_scales(layer, kv_pool, k.dtype):
         # The write divides k/v by the KV scales in place; the Triton extend still reads the
         # chunk being prefilled from them (as upstream's Triton backend, clone first).
         k, v = k.clone(), v.clone()
+    rows = meta.write_rows
     if triton:
-        kv_pool.set_kv_buffer(
-            layer, rows.clamp(min=0), k, v, layer.k_scale, layer.v_scale, dcp_kv_mask=rows >= 0
-        )  # fmt: skip
+        if meta.store is None:  # (rows with -1 as 0, owned mask) [T]: recorded once in a graph
+            meta.store = (rows.clamp(min=0), rows >= 0)
+        loc, owned = meta.store
+        kv_pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale, dcp_kv_mask=owned)
         return
-    owned = rows >= 0
-    kv_pool.set_kv_buffer(layer, rows[owned], k[owned], v[owned], layer.k_scale, layer.v_scale)
+    if meta.store is None:  # (owned token indices, their rows)
+        owned = (rows >= 0).nonzero().squeeze(1)
+        meta.store = (owned, rows[owned])
+    owned, owned_rows = meta.store
+    kv_pool.set_kv_buffer(layer, owned_rows, k[owned], v[owned], layer.k_scale, layer.v_scale)
 
 
 def _decode_metadata(state: HelixDecodeState, num_tokens: int) -> HelixDecodeMetadata:

@@ -159,6 +159,7 @@ class HelixDecodeMetadata:
     buffers: "HelixDecodeBuffers"
     splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
     out_cache_loc: Optional[torch.Tensor] = None  # a speculative draft step's writes it was filled for
+    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the masked K/V store's (loc, mask) [T]
 
 
 class HelixDecodeBuffers:
@@ -375,9 +376,9 @@ class HelixDecodeState:
         """
         if self.kvp_rank == 0:
             logger.warning(
-                "Helix: capturing the decode step in CUDA graphs (--helix-enable-cuda-graph). Capture "
-                "and replay are verified on the CPU harness only, not yet on a GPU server "
-                "(docs/helix-flags.md)."
+                "Helix: capturing the decode step in CUDA graphs (--helix-enable-cuda-graph). Replay "
+                "equals eager on the CPU harness and for the kernels on one GPU; not yet verified in a "
+                "multi-GPU server."
             )
         graph = self.graph
         if graph is None or graph.max_bs < max_bs or graph.capacity < self._capacity(max_bs, max_context_len):
