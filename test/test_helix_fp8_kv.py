@@ -86,14 +86,20 @@ def _layer(scales):
     )  # fmt: skip
 
 
-def _forward_batch(mode, reqs, req_to_token):
+EXTEND_MODES = {  # a prefill, and a speculative draft's extend after a verify
+    "extend": ForwardMode.EXTEND,
+    "draft_extend_v2": ForwardMode.DRAFT_EXTEND_V2,
+}
+
+
+def _forward_batch(mode, reqs, req_to_token, extend_as="extend"):
     """The ForwardBatch fields Helix attention reads; a fresh one per rank (metadata is cached on it)."""
     slots = torch.tensor([s for s, _, _ in reqs])
     prefix = torch.tensor([p for _, p, _ in reqs])
     seq = torch.tensor([n for _, _, n in reqs])
     positions = torch.cat([torch.arange(p, n) for _, p, n in reqs])
     return SimpleNamespace(
-        forward_mode=ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE,
+        forward_mode=EXTEND_MODES[extend_as] if mode == "extend" else ForwardMode.DECODE,
         req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq, positions=positions, spec_info=None,
         out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
         extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
@@ -160,9 +166,14 @@ def capture_partials(monkeypatch) -> list:
     return partials
 
 
-@pytest.mark.parametrize("kv_cache", list(KV_CACHES))
+@pytest.mark.parametrize(
+    "kv_cache,extend_as",
+    [(kv, "extend") for kv in KV_CACHES] + [("e4m3", "draft_extend_v2")],
+)
 @pytest.mark.parametrize("backend_name", ["torch_native", "triton", "torch_native-blocked"])
-def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
+def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache, extend_as):
+    """Every extend-like forward (a prefill, a draft extend: ``ForwardMode.is_extend()`` leaves
+    DRAFT_EXTEND_V2 out) stores fp8(k / scale) and attends over the K/V as given."""
     if backend_name == "torch_native-blocked":  # the torch path one query row at a time (long prefills)
         from sglang.srt.layers.dcp import torch_attention
 
@@ -190,7 +201,7 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache):
             )
             backend = BACKENDS[backend_name](pools[kvp_rank], req_to_token)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
-            batch = _forward_batch(mode, reqs, req_to_token)
+            batch = _forward_batch(mode, reqs, req_to_token, extend_as)
             if backend_name == "triton" and mode == "decode":  # what the backend's init_forward_metadata does
                 backend.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
                 backend.helix_decode.prepare_eager(batch)

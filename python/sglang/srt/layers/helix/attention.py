@@ -26,7 +26,8 @@ Speculative decoding (EAGLE / STANDALONE chains, both backends): a target verify
 of the ``k + 1`` draft tokens over the committed prefix (``extend_lens_of``: the torch path and the
 three Triton extend calls alike), and a draft decode step attends up to its own position
 (``kv_ends_of``; on Triton its lists are filled by the step's first layer,
-``HelixDecodeState.prepare_draft_step``); the draft model's attention is this one too.
+``HelixDecodeState.prepare_draft_step``, sized on the host by ``draft_kv_ends``: no device read);
+the draft model's attention is this one too.
 
 Per-batch index metadata (write rows, local KV lists): a Triton decode reads the lists the
 backend's metadata hooks filled in persistent buffers (``decode_state.py``: the same code eagerly
@@ -55,7 +56,7 @@ from sglang.srt.layers.helix.decode_state import (
     num_kv_splits_by_local_len,
     send_views,
 )
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_tokens
 
 @dataclass
 class HelixForwardMetadata:
@@ -131,6 +132,15 @@ def query_lens_of(forward_batch, batch_size: int) -> list:
     if mode.is_target_verify():
         return [forward_batch.spec_info.draft_token_num] * batch_size
     return forward_batch.extend_seq_lens_cpu
+
+
+def draft_kv_ends(forward_batch) -> Tuple[torch.Tensor, list]:
+    """A speculative draft decode step's KV ends for the Triton lists, without a device read:
+    ``position + 1`` on the device ``[B]``, and on the host a bound the lists are sized by -- the
+    committed length plus the most tokens a draft may write past it
+    (``max_speculative_num_draft_tokens``, adaptive speculation's largest)."""
+    bound = max_speculative_num_draft_tokens() or 1
+    return forward_batch.positions.to(torch.int64) + 1, [int(n) + bound for n in forward_batch.seq_lens_cpu]
 
 
 def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, list]:
@@ -226,7 +236,7 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
     if triton and forward_batch.forward_mode.is_decode():
         state = backend.helix_decode
         if forward_batch.spec_info is not None and not state.holds_draft_step(forward_batch):
-            state.prepare_draft_step(forward_batch, *kv_ends_of(forward_batch))  # lists end at its position
+            state.prepare_draft_step(forward_batch, *draft_kv_ends(forward_batch))  # lists end at its position
         meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
     else:
         meta = HelixForwardMetadata.of(forward_batch, backend)
@@ -234,7 +244,8 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
         k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     if save_kv_cache and k is not None:
-        _write_owned(layer, kv_pool, meta, k, v, triton, forward_batch.forward_mode.is_extend())
+        # (an extend-like forward reads k/v again after the store: DRAFT_EXTEND_V2 too, which is_extend() omits)
+        _write_owned(layer, kv_pool, meta, k, v, triton, extend=not forward_batch.forward_mode.is_decode())
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
