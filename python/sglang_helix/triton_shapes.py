@@ -88,6 +88,7 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
         def __init__(self, pool, req_to_token):
             self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
             self.helix_decode = None
+            self.helix_metadata = None  # this forward's (a fresh backend per forward here)
             self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
 
     kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_name]
@@ -161,7 +162,11 @@ def run_all(recorder=None, quick=False):
                 if H % kvp:
                     continue
                 t0 = time.time()
-                run_shape(name, H, KVH, D, kv_name, kvp, recorder, batches=[1, 3] if quick else None, extend=(i == 0))
+                # Stage 1 and the extend depend on the KV dtype, not on the batch; stage 2 and the
+                # split counts on the batch (the split extent) and KVP (head groups), not on the KV
+                # dtype: every batch with the first KV dtype, batch 1 with the others.
+                batches = [1, 3] if quick else (None if kv_name == KV_DTYPES[0] else [1])
+                run_shape(name, H, KVH, D, kv_name, kvp, recorder, batches=batches, extend=(i == 0))
                 print(f"{name} kv={kv_name} kvp={kvp}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
 

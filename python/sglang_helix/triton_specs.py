@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO / "test" / "data" / "helix_triton_specializations.json"
+FIXTURE = Path(os.environ.get("HELIX_TRITON_FIXTURE", REPO / "test" / "data" / "helix_triton_specializations.json"))
 CACHE_DIR = Path(
     os.environ.get("HELIX_TRITON_COMPILE_CACHE", Path.home() / ".cache" / "sglang-helix" / "triton-compile")
 )
@@ -214,7 +214,8 @@ def write_fixture(specs: list[dict], sources: dict, path: Path = FIXTURE) -> Non
         "specializations": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    body = ",\n".join(json.dumps(r, sort_keys=True) for r in rows)  # one specialization a line
+    path.write_text(f'{{"about": {json.dumps(doc["about"])},\n"specializations": [\n{body}\n]}}\n')
 
 
 def missing_from_fixture(specs, path: Path = FIXTURE) -> list[dict]:
@@ -593,10 +594,14 @@ _TABLE_KEYS = {
 }
 
 
-def shape_label(spec: dict) -> str:
+# The README's table: stage 2's split extents (8..256) in one row (the heaviest shown).
+_CONDENSED_KEYS = {**_TABLE_KEYS, "_fwd_kernel_stage2": ("Lv", "HAS_OUTPUT_LSE", "O_HEAD_GROUP")}
+
+
+def shape_label(spec: dict, keys_by_kernel=None) -> str:
     fn = spec["kernel"].split(":")[1]
     args = {n: (t, v) for n, t, v in spec["args"]}
-    keys = _TABLE_KEYS.get(fn) or [n for n, (t, _) in args.items() if t == "constexpr" and n.isupper()][:5]
+    keys = (keys_by_kernel or _TABLE_KEYS).get(fn) or [n for n, (t, _) in args.items() if t == "constexpr" and n.isupper()][:5]
     label = " ".join(f"{k}={args[k][1]}" for k in keys if k in args and args[k][0] == "constexpr")
     ptrs = [t for t, _ in args.values() if t.startswith("*")]
     kv = (args.get("K_Buffer") or ("", None))[0]
@@ -615,7 +620,15 @@ def _figure(spec, r):
     return f"{r.get('regs')} / {spill} / {r.get('shared')}", (r.get("regs") or 0) + spill
 
 
-def table(results, select=None) -> str:
+def from_model_shapes(spec: dict) -> bool:
+    """Launched first by the unit-level model shapes (``sglang_helix.triton_shapes``) at a GPU
+    model's head dim (64 / 128), not the CPU harness's tiny ones."""
+    args = {n: v for n, t, v in spec["args"] if t == "constexpr"}
+    dim = args.get("Lk") or args.get("Lq") or args.get("Lv") or args.get("HEAD_DIM")
+    return str(spec.get("first_launched_by", "")).startswith("triton_shapes") and (dim is None or dim >= 64)
+
+
+def table(results, select=None, condensed: bool = False) -> str:
     """Markdown: one row per (kernel, shape label); per target Helix's registers / spill bytes
     (stores + loads) / static shared bytes, and the pinned wheel's kernel at the same shape with
     the series' flags off. Specializations that differ only in strides' divisibility or an
@@ -636,7 +649,7 @@ def table(results, select=None) -> str:
         if variant or (select and not select(spec)):
             continue
         fn = spec["kernel"].split(":")[1]
-        row = rows.setdefault((fn, shape_label(spec)), {})
+        row = rows.setdefault((fn, shape_label(spec, _CONDENSED_KEYS if condensed else None)), {})
         put(row, (target, "helix"), _figure(spec, r))
         put(row, (target, "upstream"), upstream.get((spec_key(upstream_spec(spec)), target)))
     lines = [
@@ -655,42 +668,42 @@ def table(results, select=None) -> str:
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
-RECORD_TESTS = [
-    "test/test_helix_decode_graph.py",
-    "test/test_decode_lse_kernel.py",
-    "test/test_helix_spec_attention.py",
-    "test/test_helix_fp8_kv.py",
-    "test/test_helix_merge.py",
-    "test/test_helix_prefill_balance.py",
-    "test/test_helix_kv_layout.py",
-    "test/test_dcp_extensions.py",
-]
+# Every in-process test (the full tier's too), not the servers (other processes) nor the per-prefix
+# check (other trees): what test/conftest.py checks against the fixture is a subset of this run.
+RECORD_PYTEST_ARGS = ["test", "-m", "not e2e", "-k", "not every_prefix and not test_triton_compile"]
 
 
-def record(out: Path = FIXTURE, tests=None) -> int:
-    """Run the in-process Helix tests (full tier; ``test/conftest.py`` records with
-    ``HELIX_TRITON_RECORD``) and the unit-level model shapes under the recorder and write the
-    fixture (~15 min on 2 cores)."""
+def record(out: Path = FIXTURE, pytest_args=None) -> int:
+    """Run the in-process tests (full tier) with ``HELIX_TRITON_RECORD`` (``test/conftest.py``
+    records every launch of a tracked kernel) and the unit-level model shapes under the recorder,
+    and write the fixture (~20 min on 2 cores). A failing test is reported; its launches are kept."""
     env = dict(os.environ, TRITON_INTERPRET="1", HELIX_TEST_FULL="1")
+    rc_tests = 0
     with tempfile.TemporaryDirectory() as tmp:
         parts = []
-        for i, t in enumerate(tests or RECORD_TESTS):
-            dump = Path(tmp) / f"r{i}.json"
-            env["HELIX_TRITON_RECORD"] = str(dump)
-            cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", t, "-m", "not e2e"]
-            print("+", " ".join(cmd), flush=True)
-            rc = subprocess.call(cmd, cwd=REPO, env=env)
-            if rc not in (0, 5):
-                print(f"{t}: pytest rc {rc}", file=sys.stderr)
-                return rc
-            parts.append(json.loads(dump.read_text()))
+        dump = Path(tmp) / "tests.json"
+        env["HELIX_TRITON_RECORD"] = str(dump)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(pytest_args or RECORD_PYTEST_ARGS)]
+        print("+", " ".join(cmd), flush=True)
+        rc_tests = subprocess.call(cmd, cwd=REPO, env=env)
+        if rc_tests not in (0, 5):
+            print(f"record: pytest rc {rc_tests} (launches of the tests that ran are kept)", file=sys.stderr)
+        if not dump.exists():
+            return rc_tests or 1
+        parts.append(json.loads(dump.read_text()))
         dump = Path(tmp) / "shapes.json"
+        env.pop("HELIX_TRITON_RECORD")
         rc = subprocess.call([sys.executable, "-m", "sglang_helix.triton_shapes", "--record", str(dump)], cwd=REPO, env=env)
         if rc:
             return rc
         parts.append(json.loads(dump.read_text()))
+    return merge_records(parts, out) or (rc_tests if rc_tests not in (0, 5) else 0)
+
+
+def merge_records(parts: list, out: Path = FIXTURE) -> int:
+    """Write the union of recorder dumps (``{"specs", "sources", "errors"}``) as the fixture."""
     specs, sources, errors = {}, {}, []
-    for p in parts:
+    for p in parts[-1:] + parts[:-1]:  # the model shapes (last) first: their rows are the table's
         for s, src in zip(p["specs"], p["sources"]):
             specs.setdefault(spec_key(s), s)
             sources.setdefault(spec_key(s), src)
@@ -708,18 +721,25 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="regenerate the fixture from the in-process Helix tests")
     r.add_argument("--out", type=Path, default=FIXTURE)
-    r.add_argument("tests", nargs="*")
+    r.add_argument("pytest_args", nargs="*", help=f"default: {' '.join(RECORD_PYTEST_ARGS)}")
     c = sub.add_parser("compile", help="compile the fixture for sm_90 and sm_100; print the table")
     c.add_argument("--fixture", type=Path, default=FIXTURE)
     c.add_argument("--no-cache", action="store_true")
     c.add_argument("--procs", type=int, default=None)
+    c.add_argument("--table", type=Path, default=None, help="write the markdown table of every row here")
+    c.add_argument("--model-shapes-table", type=Path, default=None,
+                   help="write the table of the unit-level model shapes' launches (benchmark/README.md) here")
     a = ap.parse_args(argv)
     if a.cmd == "record":
-        return record(a.out, a.tests or None)
+        return record(a.out, a.pytest_args or None)
     specs = load_fixture(a.fixture)
     t0 = time.time()
     res = compile_all(specs, a.procs, use_cache=not a.no_cache)
     print(table(res))
+    if a.table:
+        a.table.write_text(table(res) + "\n")
+    if a.model_shapes_table:
+        a.model_shapes_table.write_text(table(res, select=from_model_shapes, condensed=True) + "\n")
     bad = problems(res)
     print(f"\n{len(res)} compiles in {time.time() - t0:.0f} s; {len(bad)} problems")
     for b in bad:
