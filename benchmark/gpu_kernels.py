@@ -30,6 +30,16 @@ is a device copy of the packed buffers, and each rank merges its head slice. Che
   runs; ``helix_rank_us``) against stage 2 + the pack kernel (``helix_rank_unfused_us``).
 
 Prints one row per (context, batch, KVP) and writes the rows as JSON (``--json``, or under $OUT).
+
+The recorded specializations (issue 35, ``test/data/helix_triton_specializations.json``: what the
+server launches, as Triton specializes it; ``python -m sglang_helix.triton_specs record``):
+
+- ``--specializations [PATH]``: compile every recorded specialization for this device's target
+  and load it (``n_regs``, ``n_spills``, shared memory, as the driver reports them); a failure is
+  listed with its kernel and specialization. Rows ``{"specialization": ...}``.
+- ``--shapes-from-fixture``: run the cases above at every (query heads, KV heads, head dim) of the
+  fixture's unit-level model shapes (``sglang_helix.triton_shapes``: Llama-3.1-70B and Qwen3-235B
+  at TPA 2/4, head dim 64) instead of ``--heads/--kv-heads/--head-dim``.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_SRC = os.path.join(ROOT, ".gpu", "src")
 if os.path.isdir(GPU_SRC):
     sys.path.insert(0, GPU_SRC)
+sys.path.append(os.path.join(ROOT, "python"))  # sglang_helix.triton_specs (stdlib-only at import)
+FIXTURE = os.path.join(ROOT, "test", "data", "helix_triton_specializations.json")
 
 import torch  # noqa: E402
 
@@ -247,6 +259,50 @@ def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtyp
     return row
 
 
+def fixture_shapes(path: str = FIXTURE) -> list:
+    """(query heads, KV heads, head dim) of the fixture's decode launches at the model shapes."""
+    with open(path) as f:
+        specs = json.load(f)["specializations"]
+    out = set()
+    for s in specs:
+        if not s["kernel"].endswith(("_fwd_grouped_kernel_stage1", "_fwd_kernel_stage1")):
+            continue
+        if not str(s.get("first_launched_by", "")).startswith("triton_shapes"):
+            continue
+        cx = {n: v for n, t, v in s["args"] if t == "constexpr"}
+        group = cx.get("kv_group_num", 1)
+        heads = cx.get("q_head_num") or group
+        out.add((heads, max(1, heads // group), cx["Lk"]))
+    return sorted(out)
+
+
+def compile_specializations(path: str = FIXTURE) -> list:
+    """Every recorded specialization compiled for this device and loaded: one row each."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from sglang_helix import triton_specs as ts
+
+    target = triton.runtime.driver.active.get_current_target()
+    name = {90: "sm90", 100: "sm100"}.get(target.arch)
+    if name is None:  # another arch: compile for it with the sm90 backend options' names
+        ts.TARGETS[f"sm{target.arch}"] = (target.backend, target.arch, target.warp_size)
+        name = f"sm{target.arch}"
+    rows = []
+    for spec in ts.load_fixture(path):
+        row = {"specialization": ts.describe(spec), "target": name}
+        try:
+            fn, signature, constexprs, attrs, options = ts._compile_inputs(spec, name)
+            ck = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+            ck._init_handles()
+            row.update(ok=True, n_regs=ck.n_regs, n_spills=ck.n_spills, shared=ck.metadata.shared)
+        except Exception as e:  # noqa: BLE001 - listed
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", default="4096,131072,1048576")
@@ -260,7 +316,12 @@ def main(argv=None) -> int:
     p.add_argument("--split-policy", default="on,off", help="Helix's per-request split policy: on, off or both")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--json", default=None)
+    p.add_argument("--specializations", nargs="?", const=FIXTURE, default=None,
+                   help="compile and load every recorded specialization (default: the fixture)")
+    p.add_argument("--shapes-from-fixture", action="store_true",
+                   help="run the cases at the fixture's model shapes (heads, KV heads, head dim)")
     args = p.parse_args(argv)
+    shapes = fixture_shapes() if args.shapes_from_fixture else [(args.heads, args.kv_heads, args.head_dim)]
     if args.cpu_smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             p.error("--cpu-smoke needs TRITON_INTERPRET=1 in the environment (Triton reads it at import)")
@@ -277,28 +338,38 @@ def main(argv=None) -> int:
         cores = torch.cuda.get_device_properties(0).multi_processor_count
         copy_gbps = copy_bandwidth_gbps(device)
         print(json.dumps({"device": torch.cuda.get_device_name(0), "copy_gbps": copy_gbps}), flush=True)
+    if args.cpu_smoke and args.shapes_from_fixture:
+        shapes = [(h, kh, 16) for h, kh, _ in shapes if h <= 16][:1]  # the interpreter: one, tiny
     policies = [{"on": True, "off": False}[x] for x in args.split_policy.split(",")]
     rows = []
-    for context in contexts:
-        for batch in batches:
-            for kvp in kvps:
-                for policy in policies:
-                    row = run_case(context, batch, kvp, args.heads, args.kv_heads, args.head_dim, args.chunk,
-                                   args.splits, dtype, device, timing, policy, cores, copy_gbps)  # fmt: skip
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    spec_rows = compile_specializations(args.specializations) if args.specializations and device == "cuda" else []
+    for heads, kv_heads, head_dim in shapes:
+        for context in contexts:
+            for batch in batches:
+                for kvp in kvps:
+                    if args.shapes_from_fixture and heads % kvp:
+                        continue
+                    for policy in policies:
+                        row = run_case(context, batch, kvp, heads, kv_heads, head_dim, args.chunk,
+                                       args.splits, dtype, device, timing, policy, cores, copy_gbps)  # fmt: skip
+                        row.update(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     out = args.json or (os.path.join(os.environ["OUT"], "gpu_kernels.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-                       "copy_gbps": copy_gbps, "rows": rows}, f, indent=1)  # fmt: skip
+                       "copy_gbps": copy_gbps, "rows": rows, "specializations": spec_rows}, f, indent=1)  # fmt: skip
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     bad = [
         r for r in rows
         if r["max_abs_err_vs_fp64"] > tol or r.get("graph_equals_eager") is False or not r["fused_equals_unfused"]
     ]  # fmt: skip
-    if bad:
-        print(f"gpu_kernels: {len(bad)} case(s) failed the checks", file=sys.stderr)
+    bad_specs = [r for r in spec_rows if not r["ok"] or r.get("n_spills")]
+    for r in bad_specs:
+        print(f"gpu_kernels: specialization failed or spills: {json.dumps(r)}", file=sys.stderr)
+    if bad or bad_specs:
+        print(f"gpu_kernels: {len(bad)} case(s) failed the checks, {len(bad_specs)} specialization(s)", file=sys.stderr)
         return 1
     return 0
 

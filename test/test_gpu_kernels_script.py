@@ -38,3 +38,18 @@ def test_without_a_gpu_it_says_so_and_exits_0():
     r = _run([], interpret=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "no GPU here" in r.stdout
+
+
+def test_fixture_shapes_are_the_recorded_model_shapes():
+    """``--shapes-from-fixture`` runs the (heads, KV heads, head dim) the server launches at the
+    model shapes: those of ``sglang_helix.triton_shapes`` at a GPU head dim, read from the fixture."""
+    import importlib.util
+
+    from sglang_helix.triton_shapes import SHAPES
+
+    spec = importlib.util.spec_from_file_location("_gpu_kernels_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    want = {(h, kh, d) for _, h, kh, d in SHAPES}
+    got = set(mod.fixture_shapes())
+    assert {s for s in want if s[2] >= 64} <= got <= want, (got, want)
