@@ -442,7 +442,7 @@ def jobs(specs: list[dict], upstream: bool = True, owned_only: bool = False) -> 
             continue
         for t in TARGETS:
             out.append((i, t, None))
-        if upstream and owners[s["kernel"]]:
+        if upstream and (owners[s["kernel"]] or s["kernel"].split(":")[1] in FLAGS_OFF):
             k = spec_key(upstream_spec(s))
             if k not in seen_up:
                 seen_up.add(k)
@@ -482,11 +482,22 @@ def series_only_args(kernel: str) -> set:
     return _SERIES_ONLY[kernel]
 
 
+# Upstream features Helix turns on in a kernel the series does not change, and their values in
+# plain TP's launch: Helix's three extend calls store the LSE and skip the prefix or the extend
+# part; plain TP's one call does neither.
+FLAGS_OFF = {
+    "_fwd_kernel": {"LSE_Extend": None, "STORE_LSE": False, "SKIP_PREFIX": False, "SKIP_EXTEND": False},
+}
+
+
 def upstream_spec(spec: dict) -> dict:
-    """``spec`` as the pinned wheel's kernel takes it: without the series' own arguments (their
-    features off: the arguments stage 2 had before the series)."""
+    """``spec`` as upstream runs the pinned wheel's kernel: without the series' own arguments
+    (their features off: the arguments stage 2 had before the series) and with the upstream
+    features Helix turns on off (``FLAGS_OFF``)."""
     drop = series_only_args(spec["kernel"])
-    return {**spec, "args": [a for a in spec["args"] if a[0] not in drop]}
+    off = FLAGS_OFF.get(spec["kernel"].split(":")[1], {})
+    args = [[n, "constexpr", off[n]] if n in off else [n, t, v] for n, t, v in spec["args"] if n not in drop]
+    return {**spec, "args": args}
 
 
 def _worker(payload_path: str, out_path: str) -> None:
@@ -660,7 +671,7 @@ def table(results, select=None, condensed: bool = False) -> str:
         cells = []
         for t in TARGETS:
             cells.append(row.get((t, "helix"), ("",))[0])
-            cells.append(row.get((t, "upstream"), ("same kernel" if (t, "upstream") not in row and not changed.get(fn) else "n/a",))[0])
+            cells.append(row.get((t, "upstream"), ("same kernel" if not changed.get(fn) else "n/a",))[0])
         lines.append(f"| `{fn}` | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
