@@ -78,18 +78,8 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
     import torch
 
     from sglang.srt import runtime_context
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.srt.layers.helix import attention
-    from sglang.srt.layers.helix.decode_state import HelixDecodeState
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    class _Backend(TritonAttnBackend):
-        def __init__(self, pool, req_to_token):
-            self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
-            self.helix_decode = None
-            self.helix_metadata = None  # this forward's (a fresh backend per forward here)
-            self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
 
     kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_name]
     scales = (2.5, 0.25) if kv_name.startswith("fp8") else None
@@ -109,11 +99,34 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
         k_scale_float=None if scales is None else scales[0], v_scale_float=None if scales is None else scales[1],
         logit_cap=0.0, sliding_window_size=-1,
     )  # fmt: skip
-    runtime_context._PARALLEL = SimpleNamespace(
-        attn_dcp_rank=0, attn_dcp_size=kvp, dcp_interleave_size=CHUNK, dcp_group=None
-    )
-    attention.dcp_a2a_lse_reduce = lambda out, lse, group: out
-    attention.dcp_a2a_lse_reduce_packed = lambda send, recv, T, group: send[0, :T].reshape(T, -1)[:, : H * D]
+    saved = (runtime_context._PARALLEL, attention.dcp_a2a_lse_reduce, attention.dcp_a2a_lse_reduce_packed)
+    try:
+        runtime_context._PARALLEL = SimpleNamespace(
+            attn_dcp_rank=0, attn_dcp_size=kvp, dcp_interleave_size=CHUNK, dcp_group=None
+        )
+        # no All-to-All: this rank's partial stands for the merge (nothing is checked here)
+        attention.dcp_a2a_lse_reduce = lambda out, lse, group: out
+        attention.dcp_a2a_lse_reduce_packed = lambda send, recv, T, group: send[0, :T].reshape(T, -1)[:, : H * D]
+        _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, pool, req_to_token, layer)
+    finally:
+        runtime_context._PARALLEL, attention.dcp_a2a_lse_reduce, attention.dcp_a2a_lse_reduce_packed = saved
+
+
+def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, pool, req_to_token, layer):
+    import torch
+
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.helix import attention
+    from sglang.srt.layers.helix.decode_state import HelixDecodeState
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    class _Backend(TritonAttnBackend):
+        def __init__(self, pool, req_to_token):
+            self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
+            self.helix_decode = None
+            self.helix_metadata = None  # this forward's (a fresh backend per forward here)
+            self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
+
     g = torch.Generator().manual_seed(0)
 
     def batch_of(mode, reqs):
