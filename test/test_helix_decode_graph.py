@@ -86,6 +86,7 @@ class _TritonBackend(TritonAttnBackend):
         # An H100's SM count: the per-request split policy runs (kv_split_policy).
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 132, None
         self.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
+        self.helix_metadata = None
 
 
 class _Exchange:

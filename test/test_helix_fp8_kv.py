@@ -65,12 +65,14 @@ class _TritonBackend(TritonAttnBackend):
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
         self.helix_decode = None  # set for a decode step below, as init_forward_metadata's state
+        self.helix_metadata = None  # this forward's (a fresh backend per forward here)
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
 
 
 class _TorchNativeBackend(TorchNativeAttnBackend):
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token_pool = pool, SimpleNamespace(req_to_token=req_to_token)
+        self.helix_metadata = None
 
 
 BACKENDS = {"triton": _TritonBackend, "torch_native": _TorchNativeBackend}

@@ -126,8 +126,13 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
 
         backend.helix_decode.prepare_eager = counted
 
+    persistent = {}  # a draft step's writes and positions, per rank: one tensor for every step
     for mode, reqs, step in FORWARDS:
         batches = [_batch(mode, reqs, req_to_token, step) for _ in range(KVP)]
+        for r, (b, _) in enumerate(batches):
+            if mode == "draft":  # as the draft CUDA-graph runner: new values in the same tensors
+                loc, pos = persistent.setdefault((r, b.out_cache_loc.shape[0]), (b.out_cache_loc.clone(), b.positions.clone()))
+                b.out_cache_loc, b.positions = loc.copy_(b.out_cache_loc), pos.copy_(b.positions)
         spans = batches[0][1]
         T = sum(b - a for _, a, b in spans)
         q = torch.randn(T, H, D, generator=g)
@@ -138,6 +143,7 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
             parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = batches[r][0]
+            backends[r].helix_metadata = None  # what the backend's init_forward_metadata does per forward
             if backend_name == "triton" and mode == "draft":  # the multi-step backend's init, before the step
                 backends[r].helix_decode.prepare_eager(batch)
                 assert backends[r].helix_decode.metadata is None
@@ -178,12 +184,11 @@ def test_draft_step_backends_share_the_ranks_decode_buffers(monkeypatch):
     parallel = SimpleNamespace(helix_enabled=True, attn_dcp_rank=1, attn_dcp_size=KVP, dcp_interleave_size=CHUNK)
     monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
     monkeypatch.setattr(decode_state, "reserved_batch", lambda: 4)
-    monkeypatch.setattr(decode_state, "_RANK_STATES", {})
-    table = torch.zeros(2, MAX_LEN, dtype=torch.int32)
-    states = [HelixDecodeState.for_this_rank(table) for _ in range(3)]  # target + two draft steps
-    assert states[0] is states[1] is states[2]
-    assert (states[0].kvp_rank, states[0].reserved_bs) == (1, 4)
-    other = HelixDecodeState.for_this_rank(torch.zeros(2, MAX_LEN, dtype=torch.int32))
+    pool = SimpleNamespace(req_to_token=torch.zeros(2, MAX_LEN, dtype=torch.int32))  # the ReqToTokenPool
+    states = [HelixDecodeState.for_this_rank(pool) for _ in range(3)]  # target + two draft steps
+    assert states[0] is states[1] is states[2] is pool.helix_decode  # held by the table's pool, no global
+    assert (states[0].kvp_rank, states[0].reserved_bs, states[0].req_to_token) == (1, 4, pool.req_to_token)
+    other = HelixDecodeState.for_this_rank(SimpleNamespace(req_to_token=torch.zeros(2, MAX_LEN, dtype=torch.int32)))
     assert other is not states[0]
     parallel.helix_enabled = False
-    assert HelixDecodeState.for_this_rank(table) is None
+    assert HelixDecodeState.for_this_rank(pool) is None

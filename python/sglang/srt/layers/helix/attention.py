@@ -31,8 +31,9 @@ the draft model's attention is this one too.
 
 Per-batch index metadata (write rows, local KV lists): a Triton decode reads the lists the
 backend's metadata hooks filled in persistent buffers (``decode_state.py``: the same code eagerly
-and under CUDA-graph capture); an extend, and any torch_native step, builds them from the host
-lengths once per forward batch, on the first layer, and caches them on the ``ForwardBatch``.
+and under CUDA-graph capture); an extend, a draft step and any torch_native step build them on
+the forward's first layer and keep them in the backend's ``helix_metadata``, which the backend's
+``init_forward_metadata`` clears for every forward.
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ class HelixForwardMetadata:
     kv_run_starts: Optional[list] = None
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
-    out_cache_loc: Optional[torch.Tensor] = None  # the forward it was built for (``of``)
     store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the K/V store's arguments (_write_owned)
 
     @classmethod
@@ -88,20 +88,16 @@ class HelixForwardMetadata:
         indptr, indices, positions = kv_layout.local_kv_indices(
             pool, forward_batch.req_pool_indices, kv_ends, total, k, n, c
         )
-        meta = cls(k, n, c, rows, indptr, indices, total, positions)
-        meta.out_cache_loc = forward_batch.out_cache_loc
-        return meta
+        return cls(k, n, c, rows, indptr, indices, total, positions)
 
     @classmethod
     def of(cls, forward_batch, backend) -> "HelixForwardMetadata":
-        """Built on a forward's first layer, shared by its other layers. The speculative draft
-        runs its decode steps on one ForwardBatch, each step with new ``out_cache_loc`` (and
-        positions): a new ``out_cache_loc`` is a new forward."""
-        meta = getattr(forward_batch, "helix_metadata", None)
-        if meta is None or meta.out_cache_loc is not forward_batch.out_cache_loc:
-            meta = cls.build(forward_batch, backend)
-            forward_batch.helix_metadata = meta
-        return meta
+        """This forward's metadata, built by its first layer and shared by the others: the
+        backend's ``helix_metadata``, which its ``init_forward_metadata`` clears for every forward
+        (the draft's decode steps share one ForwardBatch, each with its own backend)."""
+        if backend.helix_metadata is None:
+            backend.helix_metadata = cls.build(forward_batch, backend)
+        return backend.helix_metadata
 
 
 def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
@@ -235,9 +231,13 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
     triton = hasattr(backend, "helix_decode")  # TritonAttnBackend (its decode lists), else torch_native
     if triton and forward_batch.forward_mode.is_decode():
         state = backend.helix_decode
-        if forward_batch.spec_info is not None and not state.holds_draft_step(forward_batch):
-            state.prepare_draft_step(forward_batch, *draft_kv_ends(forward_batch))  # lists end at its position
-        meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
+        if forward_batch.spec_info is None:
+            meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
+        else:  # a draft step (each has its own backend): its first layer fills, to its position
+            if backend.helix_metadata is None:
+                state.prepare_draft_step(forward_batch, *draft_kv_ends(forward_batch))
+                backend.helix_metadata = state.metadata
+            meta = backend.helix_metadata
     else:
         meta = HelixForwardMetadata.of(forward_batch, backend)
     if k is not None:

@@ -158,7 +158,6 @@ class HelixDecodeMetadata:
     local_lens: torch.Tensor  # [B] this rank's KV length per request
     buffers: "HelixDecodeBuffers"
     splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
-    out_cache_loc: Optional[torch.Tensor] = None  # a speculative draft step's writes it was filled for
     store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the masked K/V store's (loc, mask) [T]
 
 
@@ -267,10 +266,6 @@ def graph_buffer_bytes(kvc) -> int:
     return buffer_bytes(max_bs, capacity, num_heads, model_config.v_head_dim, model_config.dtype, rows, kvp)
 
 
-# HelixDecodeState.for_this_rank: the rank's state per request table (id -> state; the state holds the table)
-_RANK_STATES: dict = {}
-
-
 class HelixDecodeState:
     """This rank's Helix decode lists for the Triton backend: eager buffers and graph buffers.
 
@@ -292,20 +287,22 @@ class HelixDecodeState:
         self.metadata: Optional[HelixDecodeMetadata] = None
 
     @classmethod
-    def for_this_rank(cls, req_to_token: torch.Tensor, max_context_len: Optional[int] = None) -> Optional["HelixDecodeState"]:
-        """This rank's state under Helix (``--helix-kvp-size`` > 1), else None: one per request
-        table, so the backends that share it share one buffer set (the one the pool sizing
-        charged): a speculative draft's per-step Triton backends use the target's request table
-        and run one at a time, each step filling the lists before its layers read them."""
+    def for_this_rank(cls, req_to_token_pool, max_context_len: Optional[int] = None) -> Optional["HelixDecodeState"]:
+        """This rank's state under Helix (``--helix-kvp-size`` > 1), else None. The request-table
+        pool owns it (``req_to_token_pool.helix_decode``), so every Triton backend over that
+        table shares one buffer set, the one the pool sizing charged: the target's, and a
+        speculative draft's per-step backends (the draft runs on the target's table), which run
+        one at a time, each step filling the lists before its layers read them."""
         parallel = get_parallel()
         if not parallel.helix_enabled:
             return None
-        state = _RANK_STATES.get(id(req_to_token))
-        if state is None or state.req_to_token is not req_to_token:
-            state = _RANK_STATES[id(req_to_token)] = cls(
-                req_to_token, parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size,
-                reserved_batch(), max_context_len,
+        state = getattr(req_to_token_pool, "helix_decode", None)
+        if state is None:
+            state = cls(
+                req_to_token_pool.req_to_token, parallel.attn_dcp_rank, parallel.attn_dcp_size,
+                parallel.dcp_interleave_size, reserved_batch(), max_context_len,
             )  # fmt: skip
+            req_to_token_pool.helix_decode = state
         return state
 
     # -- the one implementation -----------------------------------------------------------
@@ -355,16 +352,10 @@ class HelixDecodeState:
         step = HelixDecodeBuffers(max(batch, num_tokens), max(total, 1), self.kvp_size, self.device, fixed=False)
         self.metadata = self.fill(step, forward_batch, kv_ends)
 
-    def holds_draft_step(self, forward_batch) -> bool:
-        """Whether ``metadata`` was filled for this speculative draft step: each step binds new
-        ``out_cache_loc``, so the step's first layer fills and the others reuse."""
-        return self.metadata is not None and self.metadata.out_cache_loc is forward_batch.out_cache_loc
-
     def prepare_draft_step(self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu) -> None:
         """A speculative draft decode step (eager): its lists end at each request's position + 1
-        (``kv_ends``), past ``seq_lens``."""
+        (``kv_ends``), past ``seq_lens``; ``kv_ends_cpu`` bounds them on the host."""
         self.prepare_eager(forward_batch, kv_ends, kv_ends_cpu)
-        self.metadata.out_cache_loc = forward_batch.out_cache_loc
 
     # -- CUDA graph -----------------------------------------------------------------------
 
