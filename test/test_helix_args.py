@@ -909,6 +909,30 @@ def test_speculative_refusals(model, extra, feature, given, fix, why):
     assert message == _unsupported(feature, given, fix, why)
 
 
+@pytest.mark.parametrize(
+    "extra,feature,given,fix,why",
+    [
+        (["--speculative-adaptive"], "adaptive speculation yet", "--speculative-adaptive",
+         "Drop --speculative-adaptive",
+         "the draft's step count changes at run time, which the sequence-sharded draft lists are not verified with"),
+        (["--speculative-draft-window-size", "64"], "a draft attention window yet",
+         "--speculative-draft-window-size 64", "Drop --speculative-draft-window-size",
+         "the Helix attention has no sliding window"),
+        (["--speculative-attention-mode", "decode"], "decode-mode speculative attention",
+         "--speculative-attention-mode decode", "Set --speculative-attention-mode prefill",
+         "the verify is the Helix extend of the drafts over the sequence-sharded KV"),
+        (["--enable-multi-layer-eagle"], "multi-layer EAGLE yet", "--enable-multi-layer-eagle",
+         "Drop --enable-multi-layer-eagle", ""),
+    ],
+    ids=["adaptive", "draft-window", "attention-mode-decode", "multi-layer-eagle"],
+)  # fmt: skip
+def test_speculative_settings_refused_in_one_line(model, extra, feature, given, fix, why):
+    """Every speculative setting the Helix draft/verify path is not verified with is refused at
+    launch, naming the flag (issue 33: "works under Helix (tested) or is refused")."""
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model()), *extra])
+    assert message == _unsupported(feature, given, fix, why)
+
+
 def test_speculative_draft_must_be_a_helix_model(model, tmp_path):
     """A draft whose attention is not Helix's would read the sequence-sharded pool as a whole one."""
     import json

@@ -164,9 +164,36 @@ UNSUPPORTED = (
 HELIX_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
-def check_unsupported_flags(server_args: Any, cfg: Any) -> None:
+# Speculative settings the Helix draft/verify path does not run with (checked with an algorithm set).
+SPEC_UNSUPPORTED = (
+    Feature(
+        "adaptive speculation yet",
+        (
+            Flag("--speculative-adaptive", "speculative_adaptive"),
+            Flag("--speculative-adaptive-config", "speculative_adaptive_config"),
+        ),
+        "the draft's step count changes at run time, which the sequence-sharded draft lists are not verified with",
+    ),
+    Feature(
+        "a draft attention window yet",
+        (
+            Flag("--speculative-draft-window-size", "speculative_draft_window_size"),
+            Flag("--speculative-draft-sink-size", "speculative_draft_sink_size"),
+        ),
+        "the Helix attention has no sliding window",
+    ),
+    Feature(
+        "decode-mode speculative attention",
+        (Flag("--speculative-attention-mode", "speculative_attention_mode", "prefill", reset=True),),
+        "the verify is the Helix extend of the drafts over the sequence-sharded KV",
+    ),
+    Feature("multi-layer EAGLE yet", (Flag("--enable-multi-layer-eagle", "enable_multi_layer_eagle"),)),
+)
+
+
+def check_unsupported_flags(server_args: Any, cfg: Any, features=UNSUPPORTED) -> None:
     """The features of ``UNSUPPORTED``: run before DCP's own step, so the refusal names Helix."""
-    for feature in UNSUPPORTED:
+    for feature in features:
         on = [(f, getattr(cfg, f.field)) for f in feature.flags if _on(getattr(cfg, f.field), f.off)]
         if on:
             given = [_given(f, value) for f, value in on]
@@ -225,6 +252,7 @@ def check_speculative(server_args: Any, cfg: Any) -> None:
             "Drop --helix-enable-cuda-graph (speculation under Helix runs eagerly)",
             "a draft step's local KV lists end at its position, sized on the host",
         )  # fmt: skip
+    check_unsupported_flags(None, cfg, SPEC_UNSUPPORTED)
     _check_draft_model(cfg)
 
 
