@@ -4,7 +4,8 @@ The fixture ``test/data/helix_triton_specializations.json`` holds what the in-pr
 (decode eager and capture, extend with chunked prefill and prefix, speculative verify and draft,
 bf16 / fp32 / fp8 KV) and the unit-level model shapes (``sglang_helix.triton_shapes``: Llama-3.1-70B
 and Qwen3-235B per-rank heads at TPA 2/4, head dims 64/128, bf16 and fp8 KV, KVP 2/4, the GPU's
-split policy at every split extent) launch, as Triton's binder specializes them: argument dtypes,
+split policy at every split extent, the extend's tiles as sm_90 and sm_100 choose them) launch, as
+Triton's binder specializes them: argument dtypes,
 pointer/integer divisibility by 16, ``== 1``, constexprs, launch options. Regenerate it with
 ``.venv/bin/python -m sglang_helix.triton_specs record``; every default run checks that no in-process
 launch is missing from it (``sglang_helix/testing/triton_record.py``, loaded by ``conftest.py``) and
@@ -76,6 +77,8 @@ def test_fixture_covers_the_model_shapes():
     extend = [cx(s) for s in specs if s["kernel"].endswith("extend_attention:_fwd_kernel")]
     assert {(True, False), (False, True)} <= {(c["SKIP_EXTEND"], c["SKIP_PREFIX"]) for c in extend if c["Lq"] == 128}
     # (Helix's speculative verify runs the same three causal extend calls: no custom mask)
+    # the extend's tiles as an H100 configures them (BLOCK_M 128 at head dim <= 128), as a B200 (64)
+    assert {128, 64} <= {c["BLOCK_M"] for c in extend if c["Lq"] == 128}
     lists = [cx(s) for s in specs if s["kernel"].endswith(":create_triton_kv_indices_for_dcp_triton")]
     assert {2, 4} <= {c["dcp_size"] for c in lists if c["interleave_size"] == 64}
 

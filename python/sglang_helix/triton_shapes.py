@@ -27,6 +27,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -50,6 +51,29 @@ CHUNK = 64  # --helix-kvp-chunk-size's default
 CORE_COUNT = 132  # an H100's / H200's SMs (a B200: 148; both neither 1 nor a multiple of 16)
 MAX_KV_SPLITS = 8  # --triton-attention-num-kv-splits' default
 MAX_BATCH = 64
+# The extend kernel's tile sizes follow the device (``extend_attention._get_block_sizes``: an
+# H100 takes BLOCK_M 128 at head dim <= 128, a B200 and the CPU 64): its launches are recorded as
+# each target configures them. Nothing else on the Helix path reads the device's capability.
+EXTEND_CAPABILITIES = (None, (9, 0), (10, 0))
+
+
+@contextlib.contextmanager
+def extend_configured_for(capability):
+    """Upstream's extend wrapper choosing its tiles as on a GPU of ``capability`` (None: as here)."""
+    from sglang.kernels.ops.attention import extend_attention as ea
+
+    missing = object()
+    saved = (ea._is_cuda, getattr(ea, "CUDA_CAPABILITY", missing))
+    if capability is not None:
+        ea._is_cuda, ea.CUDA_CAPABILITY = True, capability
+    try:
+        yield
+    finally:
+        ea._is_cuda = saved[0]
+        if saved[1] is missing:
+            ea.__dict__.pop("CUDA_CAPABILITY", None)
+        else:
+            ea.CUDA_CAPABILITY = saved[1]
 
 
 def _setup():
@@ -74,7 +98,7 @@ def decode_batches(h: int, kvh: int) -> list[int]:
     return sorted(set(out) | {1, 3, 16})
 
 
-def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend=True):
+def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend=True, decode=True):
     import torch
 
     from sglang.srt import runtime_context
@@ -107,12 +131,12 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
         # no All-to-All: this rank's partial stands for the merge (nothing is checked here)
         attention.dcp_a2a_lse_reduce = lambda out, lse, group: out
         attention.dcp_a2a_lse_reduce_packed = lambda send, recv, T, group: send[0, :T].reshape(T, -1)[:, : H * D]
-        _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, pool, req_to_token, layer)
+        _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode, pool, req_to_token, layer)
     finally:
         runtime_context._PARALLEL, attention.dcp_a2a_lse_reduce, attention.dcp_a2a_lse_reduce_packed = saved
 
 
-def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, pool, req_to_token, layer):
+def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode, pool, req_to_token, layer):
     import torch
 
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -153,15 +177,19 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, pool, r
             backend.helix_decode = state
             state.prepare_eager(fb)
         if recorder is not None:
-            recorder.context = f"triton_shapes {name} kv={kv_name} kvp={kvp} {mode} T={T}"
+            from sglang.kernels.ops.attention import extend_attention as ea
+
+            arch = f" sm{ea.CUDA_CAPABILITY[0]}0" if mode == "extend" and ea._is_cuda else ""
+            recorder.context = f"triton_shapes {name} kv={kv_name} kvp={kvp} {mode} T={T}{arch}"
         attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), fb, backend)
 
     ctx = CHUNK * kvp + 5  # every rank owns a chunk, rank 0 two
-    if extend:  # a chunked prefill: the first chunk, then the rest over the cached prefix
-        step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)])
-        step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)])
+    for capability in EXTEND_CAPABILITIES if extend else ():
+        with extend_configured_for(capability):  # a chunked prefill: the first chunk, then the rest
+            step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)])
+            step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)])
     state = HelixDecodeState(req_to_token, 0, kvp, CHUNK)
-    for b in batches:
+    for b in batches if decode else ():
         step("decode", [(s, ctx, ctx + 1) for s in range(b)], state)
 
 
