@@ -687,7 +687,7 @@ RECORD_PYTEST_ARGS = ["test", "-m", "not e2e", "-k", "not every_prefix and not t
 def record(out: Path = FIXTURE, pytest_args=None) -> int:
     """Run the in-process tests (full tier) with ``HELIX_TRITON_RECORD`` (``test/conftest.py``
     records every launch of a tracked kernel) and the unit-level model shapes under the recorder,
-    and write the fixture (~20 min on 2 cores). A failing test is reported; its launches are kept."""
+    and write the fixture (~30 min on 2 cores). A failing test is reported; its launches are kept."""
     env = dict(os.environ, TRITON_INTERPRET="1", HELIX_TEST_FULL="1")
     rc_tests = 0
     with tempfile.TemporaryDirectory() as tmp:
