@@ -49,25 +49,38 @@ def test_budget_is_none_exactly_when_the_prompt_cannot_fit(input_tokens, capacit
     assert _budget(input_tokens, 16, capacity, page) == expected
 
 
-def test_scheduler_refuses_with_what_the_prompt_needs():
+def _init(prompt_len: int):
+    """``Scheduler.init_req_max_new_tokens`` for a prompt against a 384-token pool of 128-token
+    pages (``max_req_input_len`` 377, as upstream derives it): ``(max_new_tokens, aborts)``."""
     from sglang.srt.managers.scheduler import Scheduler
 
     aborted = []
     req = SimpleNamespace(
-        rid="r", origin_input_ids=list(range(325)),
+        rid="r", origin_input_ids=list(range(prompt_len)),
         sampling_params=SimpleNamespace(max_new_tokens=16, min_new_tokens=0),
         set_finish_with_abort=aborted.append,
     )  # fmt: skip
     scheduler = SimpleNamespace(
-        max_new_tokens_limit=None, max_req_len=383, max_total_num_tokens=384, kv_shard_widening=1, page_size=64,
-        sliding_window_size=None, chunked_prefill_size=4096,
+        max_new_tokens_limit=None, max_req_len=383, max_req_input_len=378, max_total_num_tokens=384,
+        kv_shard_widening=1, page_size=64, sliding_window_size=None, chunked_prefill_size=4096,
         token_to_kv_pool_allocator=SimpleNamespace(
             page_size=128, max_new_tokens_for_memory=lambda *a, **k: _budget(*a[:2], k["token_capacity"], 128)
         ),
     )  # fmt: skip
     Scheduler.init_req_max_new_tokens(scheduler, req)
-    assert req.sampling_params.max_new_tokens == 0
-    assert aborted == [
+    return req.sampling_params.max_new_tokens, aborted
+
+
+def test_scheduler_refuses_with_what_the_prompt_needs():
+    assert _init(325) == (0, [
         "Request prompt exceeds the KV memory budget: input_len=325 needs 3 pages of 128 tokens plus one "
         "reserved, the KV pool holds 384 tokens (raise --max-total-tokens or --mem-fraction-static)."
-    ]
+    ])  # fmt: skip
+
+
+def test_a_prompt_over_the_input_limit_is_left_to_validate_input_length():
+    """At or over ``max_req_input_len`` the prompt gets upstream's "Input length ... exceeds the
+    maximum allowed length" (the same for every page size) or ``--allow-auto-truncate``'s
+    truncation: an abort here would replace its input with one token and pre-empt both."""
+    assert _init(378) == (0, [])
+    assert _init(5000) == (0, [])
