@@ -1,4 +1,4 @@
-"""The Helix flags and their fail-fast validation (sglang/srt/arg_groups/helix_*.py).
+"""The Helix flags and their fail-fast validation (sglang/srt/arg_groups/helix_hook.py).
 
 Everything but the two ``launch_server`` tests runs SGLang's own argument path in-process:
 ``prepare_server_args(argv)`` (what ``python -m sglang.launch_server`` calls) and
@@ -72,7 +72,7 @@ def resolve(model_path: str, args: list[str]):
 
 
 def helix_error(model_path: str, args: list[str]) -> str:
-    from sglang.srt.arg_groups.helix_checks import HelixConfigError
+    from sglang.srt.arg_groups.helix_hook import HelixConfigError
 
     with pytest.raises(HelixConfigError) as info:
         resolve(model_path, args)
@@ -97,7 +97,7 @@ def helix_log():
             records.append(record)
 
     handler = Collect(level=logging.INFO)
-    loggers = [logging.getLogger(f"sglang.srt.arg_groups.{m}") for m in ("helix_defaults", "helix_sizes")]
+    loggers = [logging.getLogger("sglang.srt.arg_groups.helix_hook")]
     for logger in loggers:
         logger.addHandler(handler)
     try:
@@ -112,31 +112,30 @@ def helix_log():
 # --------------------------------------------------------------------------------------------
 def test_kvp_size_below_one(model):
     assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "0"]) == (
-        "--helix-kvp-size must be >= 1, got --helix-kvp-size 0. Use 1 to run without Helix, "
-        "or the KV-parallel width (a divisor of --tp 4) to enable it."
+        "--helix-kvp-size must be >= 1, got --helix-kvp-size 0. Use a positive --helix-kvp-size, "
+        "or use --helix-kvp-size 1."
     )
 
 
 def test_interleave_size_below_one(model):
     assert helix_error(model(), ["--tp", "4", "--dcp-interleave-size", "0"]) == (
-        "--dcp-interleave-size must be >= 1, got --dcp-interleave-size 0. It is the number of "
-        "consecutive tokens one KVP (DCP) rank stores before ownership moves to the next rank."
+        "--dcp-interleave-size must be >= 1, got --dcp-interleave-size 0. Use a positive "
+        "--dcp-interleave-size, or use --helix-kvp-size 1."
     )
 
 
 @pytest.mark.parametrize("chunk", ["0", "-64"])
 def test_chunk_size_below_one(model, chunk):
     assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk]) == (
-        f"--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size {chunk}. It is the "
-        "number of consecutive tokens one KVP (DCP) rank stores before ownership moves to the next "
-        "rank."
+        f"--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size {chunk}. Use a positive "
+        "--helix-kvp-chunk-size, or use --helix-kvp-size 1."
     )
 
 
 def test_tp_not_divisible_by_kvp(model):
     assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "3"]) == (
         "--helix-kvp-size 3 does not divide --tp 4: Helix arranges the --tp ranks as a KVP x TPA "
-        "grid, so --tp must be a multiple of --helix-kvp-size. Valid values for --tp 4: 1, 2 or 4."
+        "grid. Use --helix-kvp-size 2 or 4, or use --helix-kvp-size 1."
     )
 
 
@@ -146,9 +145,9 @@ def test_tp_not_divisible_by_kvp(model):
 def test_tpa_exceeds_kv_heads(model):
     path = model(8, 2)
     assert helix_error(path, ["--tp", "8", "--helix-kvp-size", "2"]) == (
-        f"TPA = --tp 8 / --helix-kvp-size 2 = 4 exceeds the 2 KV heads of --model-path {path} "
-        "(num_key_value_heads): each attention-TP rank must hold whole KV heads, none "
-        "duplicated. Use --helix-kvp-size 4 or 8 with --tp 8."
+        f"TPA = --tp 8 / --helix-kvp-size 2 = 4 exceeds the 2 KV heads of --model-path {path}: "
+        "each attention-TP rank holds whole KV heads, none duplicated. Use --helix-kvp-size 4 or 8, "
+        "or use --helix-kvp-size 1."
     )
 
 
@@ -156,17 +155,17 @@ def test_kv_heads_not_divisible_by_tpa(model):
     path = model(24, 6)
     assert helix_error(path, ["--tp", "8", "--helix-kvp-size", "2"]) == (
         f"TPA = --tp 8 / --helix-kvp-size 2 = 4 does not divide the 6 KV heads of --model-path "
-        f"{path} (num_key_value_heads): each attention-TP rank must hold whole KV heads, none "
-        "duplicated. Use --helix-kvp-size 4 or 8 with --tp 8."
+        f"{path}: each attention-TP rank holds whole KV heads, none duplicated. Use "
+        "--helix-kvp-size 4 or 8, or use --helix-kvp-size 1."
     )
 
 
 def test_query_heads_not_divisible_by_tp(model):
     path = model(6, 2)
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
-        f"The 6 query heads of --model-path {path} (num_attention_heads) are not divisible by "
-        "--tp 4: after the Helix All-to-All each of the --tp ranks owns an equal share of the "
-        "query heads. Use a --tp that divides 6, or use --helix-kvp-size 1."
+        f"The 6 query heads of --model-path {path} are not divisible by --tp 4: after the Helix "
+        "All-to-All each rank owns an equal share of them. Use a --tp that divides 6, or use "
+        "--helix-kvp-size 1."
     )
 
 
@@ -182,8 +181,8 @@ def test_unsupported_architecture(model, tmp_path):
         json.dump(config, f)
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
         "--helix-kvp-size 2 supports only LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM models, but --model-path "
-        f"{path} is GemmaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
+        "Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM models (SGLang's own model code), but "
+        f"--model-path {path} is GemmaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
     )
 
 
@@ -200,8 +199,8 @@ def test_model_class_must_opt_in(model, monkeypatch):
     path = model()
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
         "--helix-kvp-size 2 supports only MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
-        f"Qwen3ForCausalLM or Qwen3MoeForCausalLM models, but --model-path {path} is LlamaForCausalLM. "
-        "Serve a supported model, or use --helix-kvp-size 1."
+        "Qwen3ForCausalLM or Qwen3MoeForCausalLM models (SGLang's own model code), but --model-path "
+        f"{path} is LlamaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
     )
 
 
@@ -240,24 +239,20 @@ def test_supported_architectures(tmp_path, arch):
 
 
 def test_unsupported_model_impl(model):
-    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--model-impl", "transformers"]) == (
-        "--helix-kvp-size 2 is implemented in SGLang's own model code, not --model-impl "
-        "transformers. Use --model-impl sglang (or auto), or use --helix-kvp-size 1."
-    )
+    """The class checked is the one the model resolves to, --model-impl included (upstream's
+    ``get_model_architecture``), so the Transformers backend's class is refused."""
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--model-impl", "transformers"])
+    assert "(SGLang's own model code), but --model-path" in message and message.endswith(
+        " is TransformersForCausalLM. Serve a supported model, or use --helix-kvp-size 1."), message
 
 
 # --------------------------------------------------------------------------------------------
 # Combinations Helix does not support
 # --------------------------------------------------------------------------------------------
-def _unsupported(feature, given, fix, why=""):
-    return (
-        f"--helix-kvp-size 2 does not support {feature} ({given}){': ' + why if why else ''}. "
-        f"{fix}, or use --helix-kvp-size 1."
-    )
+def _unsupported(feature, given, fix, why=""):  # the why is in docs/helix-flags.md, not in the message
+    return f"--helix-kvp-size 2 does not support {feature} ({given}). {fix}, or use --helix-kvp-size 1."
 
 
-_TREE_MASK = "its verify attends through a custom tree mask, which the sequence-sharded attention does not apply yet"
-_HYBRID = "SGLang runs them through a HybridAttnBackend, which the Helix attention does not dispatch"
 _WRAPPED = "it wraps the attention backend, which the Helix attention does not dispatch"
 
 UNSUPPORTED = {
@@ -265,13 +260,13 @@ UNSUPPORTED = {
         ["--dcp-size", "4"],
         "--helix-kvp-size 2 --helix-kvp-chunk-size 64 is --dcp-size 2 --dcp-comm-backend a2a "
         "--dcp-replicate-q-proj --dcp-interleave-size 64, but --dcp-size is 4. Drop --dcp-size, or "
-        "spell the layout with the DCP flags alone.",
+        "use --helix-kvp-size 1.",
     ),
     "dcp-other-exchange": (
         ["--dcp-comm-backend", "ag_rs"],
         "--helix-kvp-size 2 --helix-kvp-chunk-size 64 is --dcp-size 2 --dcp-comm-backend a2a "
         "--dcp-replicate-q-proj --dcp-interleave-size 64, but --dcp-comm-backend is ag_rs. Drop "
-        "--dcp-comm-backend, or spell the layout with the DCP flags alone.",
+        "--dcp-comm-backend, or use --helix-kvp-size 1.",
     ),
     "attn-cp": (
         ["--attn-cp-size", "2"],
@@ -298,13 +293,12 @@ UNSUPPORTED = {
     "speculative-ngram": (
         ["--speculative-algorithm", "NGRAM"],
         _unsupported("NGRAM speculation yet", "--speculative-algorithm NGRAM",
-                     "Use --speculative-algorithm EAGLE or STANDALONE", _TREE_MASK),
+                     "Use --speculative-algorithm EAGLE or STANDALONE (chain drafts)"),
     ),
     "speculative-eagle3": (
         ["--speculative-algorithm", "EAGLE3"],
         _unsupported("EAGLE3 speculation yet", "--speculative-algorithm EAGLE3",
-                     "Use --speculative-algorithm EAGLE or STANDALONE",
-                     "only EAGLE and STANDALONE chain drafts are verified"),
+                     "Use --speculative-algorithm EAGLE or STANDALONE (chain drafts)"),
     ),
     "pd-decode": (
         ["--disaggregation-mode", "decode"],
@@ -350,13 +344,13 @@ UNSUPPORTED = {
         ["--prefill-attention-backend", "triton", "--decode-attention-backend", "torch_native"],
         _unsupported("different prefill and decode attention backends",
                      "--prefill-attention-backend triton --decode-attention-backend torch_native",
-                     "Pass one --attention-backend (triton or torch_native)", _HYBRID),
+                     "Pass one --attention-backend"),
     ),
     "split-decode-backend": (
         ["--attention-backend", "triton", "--decode-attention-backend", "torch_native"],
         _unsupported("different prefill and decode attention backends",
                      "--attention-backend triton --decode-attention-backend torch_native",
-                     "Pass one --attention-backend (triton or torch_native)", _HYBRID),
+                     "Pass one --attention-backend"),
     ),
     # From the pass over every flag group (docs/helix-flags.md).
     **{
@@ -368,7 +362,7 @@ UNSUPPORTED = {
              "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
             ("session-radix", ["--enable-session-radix-cache"], "prefix-cache extensions", None,
              "Drop --enable-session-radix-cache", "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
-            ("streaming-session", ["--enable-streaming-session"], "streaming sessions yet", None,
+            ("streaming-session", ["--enable-streaming-session"], "prefix-cache extensions", None,
              "Drop --enable-streaming-session", "a session's next request reuses its KV as a prefix"),
             ("unified-memory", ["--enable-unified-memory"], "the unified memory pool", None,
              "Drop --enable-unified-memory", "Helix shards the per-layer KV pool by rows"),
@@ -380,9 +374,9 @@ UNSUPPORTED = {
              "it reads the KV pool by allocator id, and Helix ids are not rows"),
             ("mixed-chunk", ["--enable-mixed-chunk"], "mixed chunked prefill yet", None,
              "Drop --enable-mixed-chunk", ""),
-            ("two-batch-overlap", ["--enable-two-batch-overlap"], "two-batch overlap", None,
+            ("two-batch-overlap", ["--enable-two-batch-overlap"], "attention-backend wrappers", None,
              "Drop --enable-two-batch-overlap", _WRAPPED),
-            ("pdmux", ["--enable-pdmux"], "PD multiplexing", None, "Drop --enable-pdmux", _WRAPPED),
+            ("pdmux", ["--enable-pdmux"], "attention-backend wrappers", None, "Drop --enable-pdmux", _WRAPPED),
             ("megakernel", ["--enable-nvidia-megakernel"], "decode megakernels", None,
              "Drop --enable-nvidia-megakernel", "they replace the decode forward, Helix attention included"),
             ("mis", ["--enable-mis"], "multi-item scoring", None, "Drop --enable-mis",
@@ -425,14 +419,14 @@ def test_unsupported_combination(model, case):
             "attention_backend",
             "flashinfer",
             "--helix-kvp-size 2 supports only the attention backends triton or torch_native, "
-            "but --attention-backend resolves to flashinfer. Pass --attention-backend triton "
+            "but --attention-backend is flashinfer. Pass --attention-backend triton "
             "(or torch_native), or use --helix-kvp-size 1.",
         ),
         (
             "page_size",
             16,
             "--helix-kvp-size 2 allocates KV in pages of one --helix-kvp-chunk-size (64) per rank, "
-            "but --page-size resolves to 16. Pass --page-size 1 (or 64), or use --helix-kvp-size 1.",
+            "but --page-size is 16. Pass --page-size 1 (or 64), or use --helix-kvp-size 1.",
         ),
     ],
 )
@@ -553,9 +547,8 @@ def test_dcp_spelling_refusals_name_the_helix_layout(model):
     message = helix_error(model(), [
         "--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj", "--pp-size", "2",
     ])  # fmt: skip
-    assert message == (
-        "--dcp-size 2 --dcp-comm-backend a2a --dcp-replicate-q-proj on a GQA model is Helix parallelism "
-        "(--helix-kvp-size 2): --helix-kvp-size 2 does not support pipeline parallelism yet (--pp-size 2). "
+    assert message == (  # the log said "... on a GQA model is Helix parallelism (--helix-kvp-size 2 ...)"
+        "--helix-kvp-size 2 does not support pipeline parallelism yet (--pp-size 2). "
         "Set --pp-size 1, or use --helix-kvp-size 1."
     )
 
@@ -563,8 +556,7 @@ def test_dcp_spelling_refusals_name_the_helix_layout(model):
 def test_interleave_needs_the_gqa_mode(model):
     assert helix_error(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-interleave-size", "4"]) == (
         "--dcp-interleave-size 4 needs DCP's GQA mode (--dcp-size > 1 --dcp-comm-backend a2a "
-        "--dcp-replicate-q-proj on a GQA model, i.e. --helix-kvp-size): the other DCP paths store "
-        "tokens round robin one at a time. Drop --dcp-interleave-size."
+        "--dcp-replicate-q-proj on a GQA model, i.e. --helix-kvp-size). Drop --dcp-interleave-size."
     )
 
 
@@ -600,23 +592,12 @@ def test_quantized_checkpoint(model, tmp_path):
 # --------------------------------------------------------------------------------------------
 # The CPU engine's MLP padding (the CPU-engine patch pads for TPA; the MLP stays sharded over N)
 # --------------------------------------------------------------------------------------------
-def test_cpu_mlp_not_divisible_after_padding(model):
-    """intermediate_size 128 at TPA 1 stays 128 (a multiple of 32), which --tp 3 does not divide:
-    the server would fail loading the MLP."""
-    path = model(6, 3, 128)
-    assert helix_error(path, ["--tp", "3", "--helix-kvp-size", "3"]) == (
-        f"--helix-kvp-size 3 on --device cpu cannot shard the MLP of --model-path {path} over "
-        "--tp 3: its intermediate_size 128, which the CPU engine pads to a multiple of 32 for the "
-        "attention width TPA = 1 only (128), is not divisible by --tp 3. Use a --helix-kvp-size "
-        "that divides 32, or use --helix-kvp-size 1."
-    )
-
-
 @pytest.mark.parametrize("q,k,inter,tp,kvp", [
-    (8, 4, 130, 4, 2),  # padded for TPA 2 to 192, which --tp 4 divides (served: test_helix_launch_sizes.py)
+    (8, 4, 130, 4, 2),  # the CPU engine pads it for --tp 4 to 256 (served: test_helix_launch_sizes.py)
     (6, 3, 192, 3, 3),  # divisible as it is
+    (6, 3, 128, 3, 3),  # padded for --tp 3 to 192 (the heads for TPA 1): accepted, no longer refused
 ])  # fmt: skip
-def test_cpu_mlp_divisible_after_padding(model, q, k, inter, tp, kvp):
+def test_cpu_mlp_is_padded_for_tp(model, q, k, inter, tp, kvp):
     resolve(model(q, k, inter), ["--tp", str(tp), "--helix-kvp-size", str(kvp)])  # no error
 
 
@@ -663,18 +644,17 @@ def test_page_multiples_resolve(model, upstream_chunked_prefill, kvp, chunk, cpp
         assert cfg.chunked_prefill_size == -1  # disabled stays disabled
     else:
         assert cfg.chunked_prefill_size == max(page, given // page * page)
-    assert cfg.max_prefill_tokens == -(-16384 // page) * page
+    assert cfg.max_prefill_tokens == 16384  # upstream's: it admits the same batches either way
 
 
 def test_page_multiples_are_logged(model):
     with helix_log() as records:
         cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--chunked-prefill-size", "100",
                                      "--max-prefill-tokens", "1000"]))  # fmt: skip
-    assert (cfg.page_size, cfg.chunked_prefill_size, cfg.max_prefill_tokens) == (64, 256, 1024)
+    assert (cfg.page_size, cfg.chunked_prefill_size, cfg.max_prefill_tokens) == (64, 256, 1000)
     page = "the Helix KV page (--helix-kvp-chunk-size 64 x --helix-kvp-size 4 = 256 tokens)"
     infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
     assert f"Helix parallelism: --chunked-prefill-size 100 -> 256, a multiple of {page}: a prefill chunk must hold at least one page." in infos
-    assert f"Helix parallelism: --max-prefill-tokens 1000 -> 1024, a multiple of {page}: the scheduler charges prefill in whole pages, so it admits the same batches." in infos
     with helix_log() as records:
         cfg = view(resolve(model(), ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "96"]))
     assert cfg.chunked_prefill_size % 192 == 0
@@ -708,8 +688,8 @@ def test_page_multiples_final_values(model):
 def test_max_total_tokens_below_one_page(model):
     assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "200"]) == (
         "--max-total-tokens 200 is less than one Helix KV page (--helix-kvp-chunk-size "
-        "64 x --helix-kvp-size 4 = 256 tokens): under Helix it bounds each rank's KV rows, which "
-        "are allocated in whole pages. Pass --max-total-tokens 256 or more, or a smaller "
+        "64 x --helix-kvp-size 4 = 256 tokens), in which each rank's KV rows are allocated. Pass "
+        "--max-total-tokens 256 or more, or a smaller "
         "--helix-kvp-chunk-size, or use --helix-kvp-size 1."
     )
     resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "256"])
@@ -721,7 +701,7 @@ def test_accessors_and_published_parallel(model):
 
     on = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "128"])
     off = resolve(model(), ["--tp", "4"])
-    assert helix_enabled(on) and not helix_enabled(off)
+    assert helix_enabled(view(on)) and not helix_enabled(view(off))
 
     parallel = create_context(on, role="test").parallel
     assert parallel.helix_enabled is True
@@ -796,16 +776,15 @@ def test_help_documents_flags(capsys):
             (8, 4),
             ["--tp", "4", "--helix-kvp-size", "3"],
             "sglang serve: error: --helix-kvp-size 3 does not divide --tp 4: Helix arranges the "
-            "--tp ranks as a KVP x TPA grid, so --tp must be a multiple of --helix-kvp-size. "
-            "Valid values for --tp 4: 1, 2 or 4.",
+            "--tp ranks as a KVP x TPA grid. Use --helix-kvp-size 2 or 4, or use --helix-kvp-size 1.",
         ),
         (
             # Model-dependent: fails after the HF config is read, still before any process starts.
             (8, 1),
             ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton"],
             "sglang serve: error: TPA = --tp 4 / --helix-kvp-size 2 = 2 exceeds the 1 KV heads "
-            "of --model-path {path} (num_key_value_heads): each attention-TP rank must hold "
-            "whole KV heads, none duplicated. Use --helix-kvp-size 4 with --tp 4.",
+            "of --model-path {path}: each attention-TP rank holds whole KV heads, none duplicated. "
+            "Use --helix-kvp-size 4, or use --helix-kvp-size 1.",
         ),
     ],
     ids=["kvp-does-not-divide-tp", "tpa-exceeds-kv-heads"],
@@ -823,6 +802,18 @@ def test_launch_server_fails_fast_without_traceback(model, spec, args, message):
     assert "Traceback" not in output, output
 
 
+def test_an_upstream_argument_error_is_a_usage_error_not_a_traceback(model):
+    """launch_server prints any resolution ValueError as argparse prints a usage error: here
+    upstream DCP's own check, with Helix off (the [Server] patch)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model(), "--device", "cpu", "--tp", "2",
+           "--dcp-size", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, env=cpu_server_env(2), capture_output=True, text=True, timeout=180,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in output, output
+    assert "sglang serve: error: Decode context parallel size (--dcp-size / --decode-context-parallel-size) must be >= 1, but got dcp_size=0." in proc.stderr.splitlines(), output
+
+
 @pytest.mark.parametrize("chunk,kvp,ok", [(64, 2, True), (64, 4, True), (1, 8, True), (64, 3, False), (96, 2, False), (48, 4, False)])
 def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     """Off the CPU the paged allocator's Triton kernels take ``tl.arange(0, page_size)``: a page of
@@ -830,16 +821,15 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     allocates in torch (the table above serves pages of 192 there)."""
     from types import SimpleNamespace
 
-    from sglang.srt.arg_groups.helix_checks import HelixConfigError
-    from sglang.srt.arg_groups.helix_sizes import check_page_for_device
+    from sglang.srt.arg_groups.helix_hook import HelixConfigError, _resolve_kv_page
 
-    cfg = SimpleNamespace(device="cuda", helix_kvp_chunk_size=chunk, helix_kvp_size=kvp, tp_size=kvp * 2)
-    check_page_for_device(SimpleNamespace(**{**vars(cfg), "device": "cpu"}), chunk * kvp)  # never on CPU
+    cfg = SimpleNamespace(device="cuda", helix_kvp_chunk_size=chunk, helix_kvp_size=kvp, tp_size=kvp * 2, page_size=chunk)
+    _resolve_kv_page(None, SimpleNamespace(**{**vars(cfg), "device": "cpu"}))  # never on CPU
     if ok:
-        check_page_for_device(cfg, chunk * kvp)
+        _resolve_kv_page(None, cfg)
         return
     with pytest.raises(HelixConfigError) as info:
-        check_page_for_device(cfg, chunk * kvp)
+        _resolve_kv_page(None, cfg)
     msg = str(info.value)
     assert msg.startswith(f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {chunk * kvp}: on --device cuda")
     assert ("power-of-two --helix-kvp-size" in msg) == (kvp == 3), msg
@@ -887,16 +877,11 @@ def test_standalone_chain_on_triton_is_accepted(model, draft_backend):
     "extra, feature, given, fix, why",
     [
         (["--speculative-eagle-topk", "2"], "tree drafts yet", "--speculative-eagle-topk 2",
-         "Set --speculative-eagle-topk 1 (a chain draft)", _TREE_MASK),
-        (["--speculative-draft-attention-backend", "flashinfer"],
-         "speculative decoding on --speculative-draft-attention-backend flashinfer yet",
-         "--speculative-algorithm STANDALONE --speculative-draft-attention-backend flashinfer",
-         "Use --speculative-draft-attention-backend triton or torch_native, or drop it",
-         "the draft's attention reads the same sequence-sharded KV pool"),
+         "Set --speculative-eagle-topk 1", ""),
+        (["--speculative-draft-attention-backend", "flashinfer"], "this draft attention backend",
+         "--speculative-draft-attention-backend flashinfer", "Use triton or torch_native, or drop the flag", ""),
         (["--attention-backend", "triton", "--helix-enable-cuda-graph"], "speculative decoding in CUDA graphs yet",
-         "--speculative-algorithm STANDALONE --helix-enable-cuda-graph",
-         "Drop --helix-enable-cuda-graph (speculation under Helix runs eagerly)",
-         "a draft step's local KV lists end at its position, sized on the host"),
+         "--helix-enable-cuda-graph", "Drop --helix-enable-cuda-graph", ""),
     ],
     ids=["tree", "draft-flashinfer", "cuda-graph"],
 )  # fmt: skip
@@ -976,7 +961,8 @@ def test_the_draft_config_is_read_once(model, tmp_path, monkeypatch):
 def test_speculative_draft_heads_must_fit_the_grid(model):
     """The draft's heads are sharded over the same KVP x TPA grid: a 1-KV-head draft under TPA 2."""
     message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(8, 1))])
-    assert message == _unsupported(
-        "this draft model's head counts", f"--speculative-draft-model-path {model(8, 1)} has 8 query and 1 KV heads",
-        "Use a draft whose KV heads are a multiple of TPA = 2 and whose query heads divide by --tp 4",
+    assert message == (  # the target's head check, on the draft
+        f"TPA = --tp 4 / --helix-kvp-size 2 = 2 exceeds the 1 KV heads of --speculative-draft-model-path "
+        f"{model(8, 1)}: each attention-TP rank holds whole KV heads, none duplicated. Use --helix-kvp-size 4, "
+        "or use --helix-kvp-size 1."
     )

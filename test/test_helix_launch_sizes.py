@@ -1,7 +1,7 @@
 """Helix servers whose sizes the Helix step resolves, against plain TP (real servers on the CPU).
 
 Helix allocates KV in pages of ``--helix-kvp-chunk-size x --helix-kvp-size`` tokens, a page the
-user never sets; sizes that must be counted in it are resolved (srt/arg_groups/helix_sizes.py):
+user never sets; sizes that must be counted in it are resolved (srt/arg_groups/helix_hook.py):
 
 - ``--tp 4 --helix-kvp-size 4 --chunked-prefill-size 128``: page 256; the chunk is raised to one
   page, so the ~330-token long prompt is prefilled in two chunks (256 + the rest).
@@ -39,10 +39,9 @@ CASES = {
     ),
     "kvp2-chunk-96": (
         GQA, 2, ["--helix-kvp-size", "2", "--helix-kvp-chunk-size", "96"],
-        ["--chunked-prefill-size 4096 -> 4032", "--max-prefill-tokens 16384 -> 16512",
-         "chunked_prefill_size=4032, max_prefill_tokens=16512"],
+        ["--chunked-prefill-size 4096 -> 4032", "chunked_prefill_size=4032, max_prefill_tokens=16384"],
     ),
-    "cpu-mlp-padding": (MLP130, 4, ["--helix-kvp-size", "2"], []),
+    "cpu-mlp-padding": (MLP130, 4, ["--helix-kvp-size", "2"], []),  # MLP padded for --tp 4, heads for TPA 2
 }  # fmt: skip
 
 

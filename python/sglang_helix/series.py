@@ -475,6 +475,9 @@ PREFIX_TESTS = {
     "[Scheduler] A prompt the KV pool can never hold is refused, not queued forever": [
         "test/test_scheduler_admission.py",
     ],
+    "[Server] launch_server: an argument error is a usage error, not a traceback": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k", "a_usage_error_not_a_traceback",
+    ],
     "[Helix] Server args: the Helix flags resolve into DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "kvp_size_below_one or interleave_size_below_one or chunk_size_below_one or not_divisible_by_kvp "
@@ -511,11 +514,7 @@ _SERVER_ARGS = "[Helix] Server args: the Helix flags resolve into DCP's GQA mode
 _TRITON_BACKEND = "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks"
 NEW_MODULE_PATCHES = {
     "sglang/srt/layers/dcp/torch_attention.py": "[DCP] torch_native: decode context parallelism",
-    "sglang/srt/arg_groups/helix_checks.py": _SERVER_ARGS,
-    "sglang/srt/arg_groups/helix_defaults.py": _SERVER_ARGS,
     "sglang/srt/arg_groups/helix_hook.py": _SERVER_ARGS,
-    "sglang/srt/arg_groups/helix_sizes.py": _SERVER_ARGS,
-    "sglang/srt/arg_groups/helix_unsupported.py": _SERVER_ARGS,
     "sglang/srt/layers/helix/__init__.py": _TRITON_BACKEND,
     "sglang/srt/layers/helix/kv_layout.py": _TRITON_BACKEND,
     "sglang/srt/layers/helix/decode_state.py": _TRITON_BACKEND,
