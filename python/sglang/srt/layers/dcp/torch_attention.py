@@ -49,13 +49,9 @@ def partial_attention(
     query_pos: Optional[torch.Tensor] = None,
     key_pos: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q [t, H, D]`` over ``k [l, Hk, D]`` / ``v [l, Hk, Dv]`` in fp32,
-    grouped by KV head (``H = Hk * g``: each KV head is read once for its ``g`` query heads).
-
-    ``query_pos [t]`` / ``key_pos [l]`` (ascending): causal, a query sees the keys at positions
-    <= its own; ``query_pos=None`` sees every key. Returns ``out [t, H, Dv]`` (``q``'s dtype) and
-    ``lse [t, H]`` (fp32, natural log; ``-inf`` and output 0 where no key is visible).
-    """
+    """fp32 attention of ``q [t, H, D]`` over ``k [l, Hk, D]`` / ``v [l, Hk, Dv]``, grouped by KV head
+    (each read once for its ``H / Hk`` query heads); causal by ``query_pos [t]`` / ``key_pos [l]``
+    (``query_pos=None``: every key). ``(out [t, H, Dv], lse [t, H])``; no visible key: 0, -inf."""
     t, H, D = q.shape
     num_kv_heads, group = k.shape[1], H // k.shape[1]
     out = torch.zeros(t, H, v.shape[2], dtype=q.dtype, device=q.device)

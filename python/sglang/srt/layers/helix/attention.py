@@ -1,8 +1,4 @@
-"""Helix attention for one layer: write the owned K/V, attend over the local shard, merge.
-
-DCP's GQA mode (``--helix-kvp-size K`` = ``--dcp-size K --dcp-comm-backend a2a
---dcp-replicate-q-proj --dcp-interleave-size C``): the attention backends' forward calls
-``helix_attention`` (the model calls ``self.attn`` as always). KVP is DCP's group and ranks.
+"""Helix attention for one layer, DCP's GQA mode, called by the attention backends' forward:
 
     q [T, Q/TPA, D], k/v [T, K/TPA, D]                    (qkv_proj over TPA, replicated over KVP)
       -> write K/V of the tokens this rank owns           (physical rows; DCP's masked store)
@@ -10,30 +6,16 @@ DCP's GQA mode (``--helix-kvp-size K`` = ``--dcp-size K --dcp-comm-backend a2a
       -> ONE All-to-All over the DCP group + LSE merge    (exact attention [T, Q/N, D])
       -> [T, Q/N * D] for o_proj (TP over all N ranks)
 
-Partial attention contract (both backends): for query token t at global position p, attend to the
-keys this rank owns at positions <= p; a rank that owns none returns output 0, LSE -inf.
-
-- ``torch_native``: DCP's torch partial attention per request (``dcp.torch_attention``; the CPU path).
-- ``triton``: decode is the upstream two-stage decode kernel with the merged-LSE output
-  (``decode_attention_fwd(..., output_lse=)``) over the local KV list. Extend is the upstream
-  extend kernel with ``lse_extend``, three calls over the keys this rank owns, merged on the rank:
-  every query over the owned prefix; each ownership-chunk segment of the new tokens over the
-  owned new tokens before it; each segment causally over itself, kept where the rank owns it. So
-  every rank does ~1/KVP of the prefill attention, the chunk's own part included
-  (docs/helix-design.md, section 3).
-
-Speculative decoding (EAGLE / STANDALONE chains, both backends): a target verify is a causal extend
-of the ``k + 1`` draft tokens over the committed prefix (``extend_lens_of``: the torch path and the
-three Triton extend calls alike), and a draft decode step attends up to its own position
-(``kv_ends_of``; on Triton its lists are filled by the step's first layer,
-``HelixDecodeState.prepare_draft_step``, sized on the host by ``draft_kv_ends``: no device read);
-the draft model's attention is this one too.
-
-Per-batch index metadata (write rows, local KV lists): a Triton decode reads the lists the
-backend's metadata hooks filled in persistent buffers (``decode_state.py``: the same code eagerly
-and under CUDA-graph capture); an extend, a draft step and any torch_native step build them on
-the forward's first layer and keep them in the backend's ``helix_metadata``, which the backend's
-``init_forward_metadata`` clears for every forward.
+A query at position p attends to the keys this rank owns at positions <= p (none: output 0, LSE
+-inf). torch_native: DCP's torch partial attention per request. Triton: decode is upstream's
+two-stage kernel with the merged-LSE output over the local KV list; extend is upstream's extend
+kernel with ``lse_extend`` in three calls over the owned keys (the owned prefix; each chunk segment
+over the owned new tokens before it; each segment causally over itself), so every rank does ~1/KVP
+of the prefill. A speculative target verify is a causal extend of the drafts over the committed
+prefix; a draft decode step attends up to its own position (``kv_ends_of``; on Triton its lists are
+sized on the host by ``draft_kv_ends``, no device read). A Triton decode reads the lists the
+backend's hooks filled (``decode_state.py``); any other forward builds them on its first layer into
+the backend's ``helix_metadata``, cleared by ``init_forward_metadata`` (docs/helix-design.md, 3-4).
 """
 
 from __future__ import annotations
@@ -101,14 +83,9 @@ class HelixForwardMetadata:
 
 
 def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
-    """``([B] tensor, host list)``: each request's KV this forward attends, as the end of the
-    positions ``[0, end)`` (the forward's new tokens included).
-
-    An extend or a decode: ``seq_lens``. A speculative target verify: ``seq_lens`` (the committed
-    prefix) + the ``draft_token_num`` draft tokens it writes. A speculative draft decode step (a
-    chain: one token per request): its position + 1, since the draft's steps run past
-    ``seq_lens`` on the slots the scheduler reserved for them.
-    """
+    """``([B] tensor, host list)``: the end of each request's attended positions ``[0, end)``, new
+    tokens included: ``seq_lens``; a target verify adds its ``draft_token_num`` drafts; a draft decode
+    step (one token per request, past ``seq_lens`` on reserved slots) ends at its position + 1."""
     mode = forward_batch.forward_mode
     if mode.is_target_verify():
         drafts = forward_batch.spec_info.draft_token_num
@@ -155,14 +132,10 @@ def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, lis
 
 @dataclass
 class TritonExtendLists:
-    """The owned-key lists of the Triton extend's three partial calls (one forward batch).
-
-    Requests: ``qo_indptr [B+1]`` over the batch's T new tokens, ``prefix_kv_*`` the owned keys
-    at positions ``[0, prefix_len)``. Segments (``kv_layout.extend_segments``: the new tokens
-    split at ownership-chunk boundaries): ``seg_qo_indptr [S+1]``, ``seg_kv_*`` the owned keys at
-    positions ``[prefix_len, segment start)`` (new tokens, already written to the pool), and
-    ``seg_owned [T]``: whether this rank owns the segment of each new token.
-    """
+    """The owned-key lists of the Triton extend's three calls: ``qo_indptr [B+1]`` over the T new
+    tokens, ``prefix_kv_*`` the owned keys in ``[0, prefix_len)``; per segment (``extend_segments``):
+    ``seg_qo_indptr [S+1]``, ``seg_kv_*`` the owned keys in ``[prefix_len, segment start)`` (already
+    written), ``seg_owned [T]`` whether this rank owns each new token's segment."""
 
     qo_indptr: torch.Tensor
     prefix_kv_indptr: torch.Tensor
@@ -218,13 +191,8 @@ def _req_to_token(backend) -> torch.Tensor:
 
 
 def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True) -> torch.Tensor:
-    """Exact attention of this rank's ``Q/N`` heads: ``[T, Q/N * Dv]``, ready for ``o_proj``.
-
-    Called by the attention backends in DCP's GQA mode (``--helix-kvp-size``, or ``--dcp-size
-    --dcp-comm-backend a2a --dcp-replicate-q-proj``): ``TritonAttnBackend`` (its ``helix_decode``
-    state holds the decode lists) and ``TorchNativeAttnBackend``. ``layer`` is the
-    ``RadixAttention`` with the TPA-local head counts (Q/TPA, K/TPA).
-    """
+    """Exact attention of this rank's ``Q/N`` heads, ``[T, Q/N * Dv]`` for ``o_proj``, from the
+    Triton or torch_native backend in DCP's GQA mode; ``layer`` has the TPA-local head counts."""
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     kv_pool = backend.token_to_kv_pool
@@ -358,12 +326,8 @@ def _run_starts(kv_indices: torch.Tensor, indptr: list) -> list:
 
 
 def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, float]]:
-    """``(k_scale, v_scale)`` when the pool's write divides K/V of ``dtype`` by them, else None.
-
-    As ``MHATokenToKVPool.set_kv_buffer``: it scales only when it converts (an fp8 pool), by the
-    layer's KV scales (a checkpoint's, or floats set by ``--quantization-param-path``). Reads of
-    the pool multiply them back.
-    """
+    """``(k_scale, v_scale)`` when the pool's write divides K/V of ``dtype`` by them (it converts:
+    an fp8 pool, as ``MHATokenToKVPool.set_kv_buffer``), else None; reads multiply them back."""
     if layer.k_scale is None or layer.v_scale is None or dtype == kv_pool.dtype:
         return None
     if layer.k_scale_float is not None:
@@ -378,13 +342,9 @@ def _kv_buffers(layer, backend, dtype: torch.dtype):
 
 
 def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
-    """Upstream's two-stage decode kernel over this rank's local KV lists, stage 2 writing the
-    partial output and merged LSE straight into the All-to-All's send buffer (the head-split-output patch).
-
-    Everything it touches lives in ``meta.buffers`` (persistent): returns ``(send, recv)``, each
-    ``[KVP, T, Q/N, Dv + lpd]``, ``send`` filled. No host value, no allocation: capturable.
-    Splits per request from the local KV lengths (``kv_split_policy``).
-    """
+    """Upstream's two-stage decode over the local KV lists, stage 2 writing output and merged LSE
+    into the send buffer: ``(send, recv)`` ``[KVP, T, Q/N, Dv + lpd]`` from ``meta.buffers``, splits
+    per request from the local lengths. No host value, no allocation: capturable."""
     _check_layer(layer)
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape

@@ -1,36 +1,15 @@
 """Helix decode metadata and workspaces in persistent buffers: one implementation, eager and graph.
 
-A decode step of Helix attention needs, per forward batch (shared by all layers):
-
-    write_rows  [T]           physical row of each new token on this rank (-1 if not owned: masked)
-    kv_indptr   [B+1]         CSR over this rank's local KV lists (positions [0, seq_len) it owns)
-    kv_indices  [capacity]    the physical rows of those lists; only [0, kv_indptr[B]) is meaningful
-
-and per layer (reused by every layer, as upstream's Triton backend reuses ``attn_logits``):
-
-    attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [B]    stage-1 split buffers
-    send / recv [KVP, T, H/KVP, Dv + lpd]     the All-to-All buffers (stage 2 writes the partial
-                                              output and LSE straight into send: the head-split-output patch)
-
-(``H = Q/TPA`` heads, ``S`` = the batch's split extent, ``KVSplitPolicy.grid_splits``). ``HelixDecodeState.fill`` writes the
-three lists in place with device ops whose shapes come only from the batch's tensor shapes (``B``,
-``T``: fixed for a captured graph), never from a value read back from the device, so the same code
-runs eagerly and inside a CUDA graph:
-
-- eager (``prepare_eager``, from ``init_forward_metadata``): buffers grown on the host as batches
-  need (outside any graph), then ``fill``;
-- CUDA graph (``init_graph_state`` once, ``prepare_in_graph`` from
-  ``init_forward_metadata_in_graph`` at capture, so ``fill`` is recorded into the graph and
-  re-runs at every replay over the runner's padded static inputs): buffers sized once for the
-  largest captured batch and context and never reallocated (a graph holds their addresses).
-
-Padded requests of a replayed graph (``seq_len`` 1, slot 0, write loc 0) list position 0 on KVP
-rank 0 and nothing elsewhere, and write loc 0 (rank 0's row 0, in the allocator's reserved page 0;
-masked out on the other ranks): harmless, their outputs are dropped.
-
-The local KV lists come from upstream DCP's list kernel, ``create_triton_kv_indices_for_dcp_triton``
-with ``interleave_size = chunk`` (one program per request, no host-sized allocation), over the
-local lengths of ``get_dcp_lens``; it is tested against ``kv_layout.local_kv_indices``.
+Per forward batch: ``write_rows [T]`` (each new token's physical row here, -1 if not owned) and this
+rank's local KV lists ``kv_indptr [B+1]`` / ``kv_indices [capacity]`` (upstream DCP's list kernel at
+``interleave_size = chunk``). Per layer, reused by every layer: the stage-1 split buffers
+``[T, H, S, Dv]`` and the All-to-All ``send`` / ``recv`` ``[KVP, T, H/KVP, Dv + lpd]`` that stage 2
+writes straight into (``H = Q/TPA``, ``S`` = ``KVSplitPolicy.grid_splits``). ``fill``'s shapes come
+only from the batch's tensor shapes, so the same code runs eagerly (``prepare_eager``: buffers grown
+on the host) and in a CUDA graph (``init_graph_state`` once, ``prepare_in_graph`` at capture: buffers
+sized for the largest captured batch, never reallocated). A replayed graph's padded requests list
+position 0 on KVP rank 0 and write rank 0's reserved row 0; their outputs are dropped
+(docs/helix-design.md, section 4).
 """
 
 from __future__ import annotations
@@ -84,15 +63,10 @@ def _head_tiles(num_heads: int, num_kv_heads: int) -> int:
 
 @dataclass(frozen=True)
 class KVSplitPolicy:
-    """How Helix decode splits a rank's local KV over stage-1 programs on one backend.
-
-    ``core_count == 0`` (the CPU, ``SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS``, deterministic
-    tiles): every request gets ``min_splits`` (the backend's ``max_kv_splits``), as upstream.
-    Otherwise a batch of ``B`` tokens launches ``grid_splits(B)`` splits -- enough programs to fill
-    ``HELIX_CTAS_PER_SM`` per SM, a power of two in ``[min_splits, max_splits]`` (few kernel
-    variants) -- and each request takes what its local length needs of them
-    (``num_kv_splits_by_local_len``). ``B`` is a shape: capturable, one extent per graph.
-    """
+    """How Helix decode splits a rank's local KV over stage-1 programs. ``core_count == 0`` (the CPU,
+    static splits, deterministic tiles): ``min_splits`` each, as upstream. Otherwise a batch of ``B``
+    launches ``grid_splits(B)``: ``HELIX_CTAS_PER_SM`` programs per SM, a power of two in
+    ``[min_splits, max_splits]``, each request taking what its local length needs (``B`` is a shape)."""
 
     min_splits: int
     max_splits: int
@@ -128,14 +102,9 @@ def num_kv_splits_by_local_len(
     max_kv_splits: int,
     device_core_count: int,
 ) -> None:
-    """Fill ``num_kv_splits [B]`` on the device from the requests' *local* KV lengths ``[B]``.
-
-    Upstream's heuristic (``get_num_kv_splits_triton``, the Triton backend's own) fed with what
-    this rank reads: a request's splits grow with its own length, the SM count and the batch's
-    spread, so a short request next to a long one gets few; then at most one split per
-    ``HELIX_MIN_TOKENS_PER_SPLIT`` local tokens (at least 1). ``device_core_count <= 0``: all
-    ``max_kv_splits``. Shapes from ``[B]`` only: capturable.
-    """
+    """Fill ``num_kv_splits [B]`` from the *local* KV lengths with upstream's heuristic
+    (``get_num_kv_splits_triton``), then at most one split per ``HELIX_MIN_TOKENS_PER_SPLIT`` local
+    tokens; ``device_core_count <= 0``: all ``max_kv_splits``. Shapes from ``[B]`` only: capturable."""
     if device_core_count <= 0:
         num_kv_splits.fill_(max_kv_splits)
         return
@@ -176,13 +145,9 @@ class HelixDecodeBuffers:
         self, num_tokens: int, num_heads: int, num_kv_heads: int, v_head_dim: int, dtype: torch.dtype,
         splits: KVSplitPolicy,
     ):  # fmt: skip
-        """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [T], send, recv)`` for
-        ``T = num_tokens`` tokens, ``S = splits.grid_splits(T, ...)``.
-
-        Allocated once, by the first layer that asks (for a graph: in the warm-up before capture,
-        outside the graph), with room for every batch up to ``max_bs`` (``workspace_rows``);
-        views after. Every layer has the same head shape.
-        """
+        """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [T], send, recv)``:
+        allocated once by the first layer that asks (before any capture) for every batch up to
+        ``max_bs``, views after; every layer has the same head shape."""
         kvp_size = self.kvp_size
         key = (num_heads, num_kv_heads, v_head_dim, dtype, splits)
         if self._workspace is None or self._workspace[0] != key:
@@ -221,11 +186,8 @@ class HelixDecodeBuffers:
 def buffer_bytes(
     max_bs: int, capacity: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, split_rows: int, kvp_size: int
 ) -> int:
-    """Bytes of one ``HelixDecodeBuffers(max_bs, capacity)`` with its workspace: the lists
-    (``write_rows [B]`` int64, ``kv_indptr [B+1]`` int32, ``kv_indices [capacity]`` int64), the
-    split buffers (``split_rows`` (token, split) rows of ``[H, Dv]`` + ``[H]`` fp32: ``KVSplitPolicy.
-    workspace_rows``; ``num_kv_splits [B]`` int32) and the
-    All-to-All ``send``/``recv`` (``[KVP, B, H/KVP, Dv + lpd]`` of ``dtype`` each)."""
+    """Bytes of one ``HelixDecodeBuffers(max_bs, capacity)`` with its workspace: the lists, the split
+    buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``) and ``send``/``recv``."""
     a2a = a2a_buffer_shape(max_bs, num_heads, v_head_dim, dtype, kvp_size)
     elem = torch.empty((), dtype=dtype).element_size()
     lists = 8 * max_bs + 4 * (max_bs + 1) + 8 * capacity
@@ -242,11 +204,9 @@ def reserved_batch() -> int:
 
 
 def graph_buffer_bytes(kvc) -> int:
-    """What the decode buffer set (``reserved_batch()`` requests at the model's context, the lists,
-    the first layer's workspace) will allocate on this rank, for the KV pool sizing to charge
-    (``DefaultPoolConfigurator``); 0 with Helix off. Graph capture and every eager decode batch that
-    fits use this one set (``HelixDecodeState``), with the GPU's split policy (``kv_split_policy``;
-    charged as per request wherever the device reports its SMs)."""
+    """What the one decode buffer set (``reserved_batch()`` requests at the model's context; graphs and
+    every eager batch that fits use it) allocates on this rank, for the KV pool sizing to charge; 0
+    with Helix off."""
     from sglang.srt.runtime_context import get_exec
     from sglang.srt.utils import get_device_core_count
 
@@ -267,11 +227,8 @@ def graph_buffer_bytes(kvc) -> int:
 
 
 class HelixDecodeState:
-    """This rank's Helix decode lists for the Triton backend: eager buffers and graph buffers.
-
-    The backend calls ``prepare_eager`` (eager decode), ``init_graph_state`` (once) and
-    ``prepare_in_graph`` (graph capture); Helix attention reads ``metadata``.
-    """
+    """This rank's Helix decode lists for the Triton backend: ``prepare_eager``, ``init_graph_state``
+    (once), ``prepare_in_graph`` (capture); Helix attention reads ``metadata``."""
 
     def __init__(
         self, req_to_token: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int, reserved_bs: int = 0,
@@ -288,11 +245,9 @@ class HelixDecodeState:
 
     @classmethod
     def for_this_rank(cls, req_to_token_pool, max_context_len: Optional[int] = None) -> Optional["HelixDecodeState"]:
-        """This rank's state under Helix (``--helix-kvp-size`` > 1), else None. The request-table
-        pool owns it (``req_to_token_pool.helix_decode``), so every Triton backend over that
-        table shares one buffer set, the one the pool sizing charged: the target's, and a
-        speculative draft's per-step backends (the draft runs on the target's table), which run
-        one at a time, each step filling the lists before its layers read them."""
+        """This rank's state under Helix, else None, owned by the request-table pool
+        (``req_to_token_pool.helix_decode``): every Triton backend over that table (the target's, a
+        draft's per-step ones, run one at a time) shares the one buffer set the pool sizing charged."""
         parallel = get_parallel()
         if not parallel.helix_enabled:
             return None
@@ -328,11 +283,8 @@ class HelixDecodeState:
     # -- eager ----------------------------------------------------------------------------
 
     def prepare_eager(self, forward_batch, kv_ends=None, kv_ends_cpu=None) -> None:
-        """Eager decode: grow the eager buffers on the host if this batch needs it, then fill.
-
-        A speculative draft step (a decode with ``spec_info``) is filled later, by
-        ``prepare_draft_step``: the multi-step draft backend prepares every step's backend before
-        the steps run, when neither the step's writes nor its positions are bound yet."""
+        """Eager decode: grow the buffers on the host if needed, then fill. A draft step (a decode with
+        ``spec_info``) is filled by ``prepare_draft_step``, when its writes and positions are bound."""
         if kv_ends is None and forward_batch.spec_info is not None:
             self.metadata = None
             return
@@ -360,11 +312,8 @@ class HelixDecodeState:
     # -- CUDA graph -----------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int, max_context_len: int) -> torch.Tensor:
-        """Allocate the graph buffers once: ``max_bs`` requests of up to ``max_context_len`` tokens.
-
-        Returns the KV index buffer (``max_bs * ceil-local(max_context_len)`` rows, 1/KVP of what
-        upstream sizes for the full context), which the backend may hold as its own.
-        """
+        """Allocate the graph buffers once (``max_bs`` requests of ``max_context_len``); returns the KV
+        index buffer (1/KVP of upstream's rows), which the backend may hold as its own."""
         if self.kvp_rank == 0:
             logger.warning(
                 "Helix: capturing the decode step in CUDA graphs (--helix-enable-cuda-graph). Replay "

@@ -58,14 +58,10 @@ def local_kv_indices(
     chunk: int,
     kv_starts: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR list of the physical rows of the positions ``[kv_start, kv_len)`` this rank owns.
-
-    Args: ``req_to_token [R, max_context]`` logical locs, ``req_pool_indices [B]``, ``kv_lens [B]``
-    global end positions, ``total_local`` the number of listed tokens (``total_local_len``, from host
-    lengths), ``kv_starts [B]`` (default 0). Returns ``(kv_indptr [B+1] int32, kv_indices
-    [total_local] int64, global positions [total_local] int64)``: the rows equal
-    ``create_triton_kv_indices_for_dcp_triton(..., interleave_size=chunk)``'s.
-    """
+    """CSR list of the physical rows of the positions ``[kv_start, kv_len)`` this rank owns, from
+    ``req_to_token [R, max_context]``, ``req_pool_indices / kv_lens / kv_starts [B]`` and the host count
+    ``total_local``: ``(kv_indptr [B+1] int32, kv_indices [total_local] int64, positions int64)``, the
+    rows of ``create_triton_kv_indices_for_dcp_triton(..., interleave_size=chunk)``."""
     device = req_to_token.device
     ends = kv_lens.to(torch.int64)
     starts = None if kv_starts is None else kv_starts.to(torch.int64)
@@ -88,12 +84,8 @@ def local_kv_indices(
 def extend_segments(
     prefix_lens: Sequence[int], extend_lens: Sequence[int], chunk: int
 ) -> Tuple[List[int], List[int], List[int]]:
-    """Split each request's new tokens ``[prefix_len, prefix_len + extend_len)`` at ownership-chunk
-    boundaries (multiples of ``chunk``): every segment lies in one chunk, so one rank owns it.
-
-    Host lists in, host lists out: ``(request [S], start [S] global position of the segment's first
-    token, length [S])``, in token order, so the segments of the batch tile its ``T`` new tokens.
-    """
+    """Split each request's new tokens at ownership-chunk boundaries (one rank owns each segment):
+    host lists ``(request [S], start position [S], length [S])`` in token order, tiling the T tokens."""
     request, start, length = [], [], []
     for b, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         pos, end = int(p), int(p) + int(e)
