@@ -65,6 +65,19 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eagle_draft(model_dir, tmp_path_factory):
+    """A ``LlamaForCausalLMEagle`` head fitted to GQA's greedy continuations of ``PROMPTS``
+    (``sglang_helix.testing.eagle_fit``, ~10 s): its drafts are accepted, so an EAGLE test can
+    tell speculation that works from a fallback to the target's token."""
+    from sglang_helix.testing.eagle_fit import fit_eagle_draft
+    from sglang_helix.testing.openai_probe import PROMPTS
+
+    fitted = fit_eagle_draft(str(tmp_path_factory.mktemp("eagle-fit") / "draft"), model_dir(GQA), PROMPTS, new_tokens=24)
+    assert fitted["train_accuracy"] > 0.9, fitted
+    return fitted["path"]
+
+
+@pytest.fixture(scope="session")
 def server_log_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("server-logs"))
 

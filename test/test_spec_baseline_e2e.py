@@ -52,7 +52,6 @@ from sglang_helix.testing.openai_probe import (
     long_completion,
     probe,
 )
-from sglang_helix.testing.tiny_models import write_tiny_eagle_draft
 
 TP = 4
 STEPS, TOPK, DRAFT_TOKENS = 3, 1, 4
@@ -192,14 +191,13 @@ def test_standalone_triton_probe_and_long_prompt(model_dir, server_log_dir):
 
 @pytest.mark.e2e
 @FULL
-def test_eagle_triton_matches_plain_tp(model_dir, server_log_dir, tmp_path_factory):
-    """EAGLE with a tiny random LlamaForCausalLMEagle head: whatever it drafts (mostly rejected),
-    the served tokens are the target's."""
+def test_eagle_triton_matches_plain_tp(model_dir, server_log_dir, eagle_draft):
+    """EAGLE with a head fitted to the target (conftest ``eagle_draft``), triton: the target's
+    tokens, the drafts accepted (accept length above 1.5)."""
     ref = reference(model_dir, server_log_dir)
-    draft = write_tiny_eagle_draft(str(tmp_path_factory.mktemp("eagle") / "draft"), GQA)
-    got = run_workload(model_dir(GQA), spec_args("EAGLE", draft), "triton", server_log_dir, generate)
+    got = run_workload(model_dir(GQA), spec_args("EAGLE", eagle_draft), "triton", server_log_dir, generate)
     assert_generate_matches(ref["probe"].completions, got, model_dir(GQA), "EAGLE triton")
-    assert assert_speculated(got, "EAGLE triton") >= 1.0
+    assert assert_speculated(got, "EAGLE triton") > 1.5
 
 
 @pytest.mark.e2e
@@ -225,4 +223,4 @@ def test_standalone_torch_native_tree_matches_plain_tp(model_dir, server_log_dir
     args[args.index("--speculative-num-draft-tokens") + 1] = "5"
     got = run_workload(model, args, "torch_native", server_log_dir, generate)
     assert_generate_matches(ref["probe"].completions, got, model, "STANDALONE tree torch_native")
-    assert assert_speculated(got, "STANDALONE tree torch_native") >= 1.0
+    assert assert_speculated(got, "STANDALONE tree torch_native") > 1.0
