@@ -467,7 +467,7 @@ PREFIX_TESTS = {
         "test/test_helix_groups.py", "test/test_dcp_gqa.py", "-k", "real_gloo or cpu_platform",
     ],
     "[DCP] GQA: replicated Q with the All-to-All (--dcp-replicate-q-proj)": [
-        "test/test_dcp_gqa.py", "-k", "q_partition or (rq and not triton)",
+        "test/test_dcp_gqa.py", "-k", "q_partition or rq",  # full tier: dcp2-rq-triton too (~3 min), this patch's Triton branch
     ],
     "[DCP] torch_native: decode context parallelism": [
         "test/test_dcp_gqa.py", "-k", "torch_attention or (dcp4 and not triton)",
