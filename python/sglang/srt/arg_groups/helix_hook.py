@@ -263,7 +263,7 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
                     "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2")  # fmt: skip
     if cfg.attn_dp_size > 1:
         typed = raw(server_args, "enable_dp_attention", False)
-        dp = f"--enable-dp-attention --dp-size {raw(server_args, 'dp_size', 0)}"
+        dp = f"--enable-dp-attention --dp-size {raw(server_args, 'dp_size', cfg.attn_dp_size)}"
         given = [dp if typed else f"--attn-dp-size {cfg.attn_dp_size}"]
         unsupported(cfg, "DP attention", given, "Drop --enable-dp-attention" if typed else "Set --attn-dp-size 1")
     if cfg.speculative_algorithm is not None:
@@ -276,7 +276,7 @@ def check_speculative(cfg: Any) -> None:
 
     alg, backend = cfg.speculative_algorithm, cfg.speculative_draft_attention_backend
     if not set(helix_architectures(drafts=True)) - set(helix_architectures()):  # the speculation patches' opt-in
-        unsupported(cfg, "speculative decoding yet", [f"--speculative-algorithm {alg}"], "Drop it")
+        unsupported(cfg, "speculative decoding yet", [f"--speculative-algorithm {alg}"], "Drop --speculative-algorithm")
     if str(alg).upper() not in ("EAGLE", "STANDALONE"):
         unsupported(cfg, f"{alg} speculation yet", [f"--speculative-algorithm {alg}"],
                     "Use --speculative-algorithm EAGLE or STANDALONE (chain drafts)")  # fmt: skip
