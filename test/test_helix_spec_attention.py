@@ -144,6 +144,9 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = batches[r][0]
             backends[r].helix_metadata = None  # what the backend's init_forward_metadata does per forward
+            if not triton:  # a chain draft step's rows (TorchNativeMultiStepDraftBackend, top-k 1): the request's
+                ends = batch.seq_lens + step + 1
+                backends[r].draft_decode_metadata = (req_to_token, batch.req_pool_indices, ends, ends.clone()) if mode == "draft" else None
             if backend_name == "triton" and mode == "draft":  # the multi-step backend's init, before the step
                 backends[r].helix_decode.prepare_eager(batch)
                 assert backends[r].helix_decode.metadata is None
@@ -192,3 +195,123 @@ def test_draft_step_backends_share_the_ranks_decode_buffers(monkeypatch):
     assert other is not states[0]
     parallel.helix_enabled = False
     assert HelixDecodeState.for_this_rank(pool) is None
+
+
+TOPK, STEPS_T = 2, 3  # a tree draft: 2 branches of 3 steps; its verify: DRAFTS tokens by a tree mask
+PARENTS = [-1, 0, 0, 1]  # the verified tree: token 0 the root, 1 and 2 its children, 3 a child of 1
+
+
+def _owned_kv(pools, locs):
+    """float64 K/V ``[l, H, D]`` of logical ids ``locs``, each read from its owner's pool."""
+    out = []
+    for buf in ("get_key_buffer", "get_value_buffer"):
+        rows = []
+        for loc in locs.tolist():
+            owner = (loc // CHUNK) % KVP
+            row = int(kv_layout.write_rows(torch.tensor([loc]), owner, KVP, CHUNK)[0])
+            rows.append(getattr(pools[owner], buf)(0)[row])
+        out.append(torch.stack(rows).double().repeat_interleave(H // KVH, dim=1))
+    return out
+
+
+def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials):
+    """Every rank's Helix attention of one forward; the ranks' partials merged ``[T, H, D]``."""
+    partials.clear()
+    T = q.shape[0]
+    for r, backend in enumerate(backends):
+        parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
+        monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
+        backend.helix_metadata = None
+        attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r), backend)
+    out, _ = dcp_lse_combine_triton(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
+    return out
+
+
+def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch):
+    """torch_native, top-k 2: the draft backend's rows (``TorchNativeMultiStepDraftBackend``: each
+    branch on its own KV page, ``prepare_for_draft``'s paged layout) give each branch's step the
+    prefix and that branch's own drafts; the verify applies the tree mask to the keys each rank
+    owns. Both equal float64 attention over the keys each token should see."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeMultiStepDraftBackend
+
+    g = torch.Generator().manual_seed(3)
+    req_to_token, pools = paged_table_and_pools(torch.float32)
+    page = CHUNK * KVP
+    layer = _layer(None)
+    partials = capture_partials(monkeypatch)
+    backends = []
+    for r in range(KVP):
+        backend = BACKENDS["torch_native"](pools[r], req_to_token)
+        backend.use_sliding_window_kv_pool, backend.draft_decode_metadata = False, None
+        backends.append(backend)
+    reqs = [(0, 7), (1, 5)]  # (slot, committed seq_len): the prefix ends mid-page
+    slots = torch.tensor([s for s, _ in reqs])
+    seq = torch.tensor([n for _, n in reqs])
+    for s, n in reqs:  # one set of values, written by each owner
+        kv = torch.randn(2, n, KVH, D, generator=g)
+        for r in range(KVP):
+            rows = kv_layout.write_rows(req_to_token[s, :n].long(), r, KVP, CHUNK)
+            own = rows >= 0
+            pools[r].get_key_buffer(0)[rows[own]] = kv[0][own]
+            pools[r].get_value_buffer(0)[rows[own]] = kv[1][own]
+
+    # The draft steps: branch t's step i writes row position seq + t * num_new_pages * page + i.
+    multi = []  # per rank, the draft backend: one torch_native backend per step
+    for r in range(KVP):
+        m = TorchNativeMultiStepDraftBackend.__new__(TorchNativeMultiStepDraftBackend)
+        m.topk, m.speculative_num_steps, m.page_size, m.req_to_token = TOPK, STEPS_T, page, req_to_token
+        m.attn_backends = [BACKENDS["torch_native"](pools[r], req_to_token) for _ in range(STEPS_T - 1)]
+        for backend in m.attn_backends:
+            backend.use_sliding_window_kv_pool = False
+        multi.append(m)
+    new_pages = (seq % page + STEPS_T + page - 1) // page
+    start = (seq[:, None] + torch.arange(TOPK)[None, :] * new_pages[:, None] * page).reshape(-1)  # [B * topk]
+    req_of = torch.arange(len(reqs)).repeat_interleave(TOPK)
+    round_batch = SimpleNamespace(seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=slots, out_cache_loc=None)
+    for m in multi:  # once per draft round, before its steps (as the draft worker does)
+        m.init_forward_metadata(round_batch)
+    for step in range(STEPS_T - 1):
+        loc = req_to_token[slots[req_of], start + step].long()
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, spec_info=SPEC, seq_lens=seq, seq_lens_cpu=seq.clone(),
+            req_pool_indices=slots, out_cache_loc=loc, positions=seq[req_of] + step,
+        )  # fmt: skip
+        T = loc.shape[0]
+        q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
+        step_backends = [m.attn_backends[step] for m in multi]
+        out = _run_ranks(monkeypatch, step_backends, layer, lambda r: fb, q, k, v, partials)
+        for t in range(T):
+            b = int(req_of[t])
+            locs = torch.cat([req_to_token[slots[b], : seq[b]], req_to_token[slots[b], start[t] : start[t] + step + 1]])
+            kb, vb = _owned_kv(pools, locs.long())
+            ref = torch.einsum("hl,lhd->hd", (torch.einsum("hd,lhd->hl", q[t].double(), kb) * D**-0.5).softmax(-1), vb)
+            torch.testing.assert_close(out[t].double(), ref, atol=1e-5, rtol=0, msg=lambda m: f"draft step {step} token {t}: {m}")
+
+    # The tree verify: token j at row position seq + j, RoPE position seq + depth(j), the FULL_MASK layout.
+    depth = [0] * DRAFTS
+    ancestors = [{j} for j in range(DRAFTS)]
+    for j, p in enumerate(PARENTS):
+        if p >= 0:
+            depth[j], ancestors[j] = depth[p] + 1, ancestors[j] | ancestors[p]
+    masks = []
+    for _, n in reqs:
+        m = torch.ones(DRAFTS, n + DRAFTS, dtype=torch.bool)
+        m[:, n:] = torch.tensor([[c in ancestors[j] for c in range(DRAFTS)] for j in range(DRAFTS)])
+        masks.append(m.reshape(-1))
+    spec = SimpleNamespace(draft_token_num=DRAFTS, tree_topk=TOPK, custom_mask=torch.cat(masks))
+    loc = torch.cat([req_to_token[s, n : n + DRAFTS] for s, n in reqs]).long()
+    fb = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, seq_lens=seq, seq_lens_cpu=seq.clone(),
+        req_pool_indices=slots, out_cache_loc=loc, extend_prefix_lens=None, extend_seq_lens=None,
+        positions=torch.cat([n + torch.tensor(depth) for _, n in reqs]),
+    )  # fmt: skip
+    T = loc.shape[0]
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
+    out = _run_ranks(monkeypatch, backends, layer, lambda r: fb, q, k, v, partials)
+    for t in range(T):
+        b, j = divmod(t, DRAFTS)
+        s, n = reqs[b]
+        locs = torch.cat([req_to_token[s, :n], req_to_token[s, n + torch.tensor(sorted(ancestors[j]))]])
+        kb, vb = _owned_kv(pools, locs.long())
+        ref = torch.einsum("hl,lhd->hd", (torch.einsum("hd,lhd->hl", q[t].double(), kb) * D**-0.5).softmax(-1), vb)
+        torch.testing.assert_close(out[t].double(), ref, atol=1e-5, rtol=0, msg=lambda m: f"tree verify token {t}: {m}")

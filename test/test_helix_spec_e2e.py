@@ -164,6 +164,34 @@ def test_helix_eagle_with_an_accepting_head_matches_plain_tp_eagle(model_dir, se
     assert_every_rank_back(before, after, 4)
 
 
+def tree_args(args: list, topk: int = 2, draft_tokens: int = 6) -> list:
+    """``args`` with a tree draft: ``topk`` branches, ``draft_tokens`` verified per step."""
+    args = list(args)
+    args[args.index("--speculative-eagle-topk") + 1] = str(topk)
+    args[args.index("--speculative-num-draft-tokens") + 1] = str(draft_tokens)
+    return args
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kvp", [2, pytest.param(4, marks=FULL)])
+def test_helix_tree_draft_serves_plain_tp_tokens(model_dir, server_log_dir, kvp):
+    """A tree draft (STANDALONE, top-k 2, 6 tokens verified per step) under Helix: each rank applies
+    the verify's tree mask to the keys it owns, draft branches start on their own KV page (so a
+    branch's keys keep their owners), and the accepted path moves to the front of the verify window
+    across ranks (``kv_move``). Plain TP's tokens and logprobs; per prompt the verifies and accepted
+    drafts of plain TP + the same tree; every rank's KV back after the run."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    args = tree_args(helix_spec_args("STANDALONE", model, kvp))
+    got, before, after = run_checked(model, args, server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, got, model, f"Helix KVP {kvp} tree")
+    assert assert_speculated(got, f"Helix KVP {kvp} tree") > 1.5
+    plain_tree = run_workload(model, tree_args(spec_args("STANDALONE", model)), BACKEND, server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, plain_tree, model, "plain TP tree")
+    assert counts(got) == counts(plain_tree)
+    assert_every_rank_back(before, after, 4)
+
+
 @pytest.mark.e2e
 @FULL
 def test_helix_kvp4_standalone_serves_plain_tp_tokens(model_dir, server_log_dir):

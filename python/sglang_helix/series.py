@@ -519,6 +519,7 @@ NEW_MODULE_PATCHES = {
     "sglang/srt/layers/helix/kv_layout.py": _TRITON_BACKEND,
     "sglang/srt/layers/helix/decode_state.py": _TRITON_BACKEND,
     "sglang/srt/layers/helix/attention.py": "[Helix] Attention backends: DCP's GQA mode runs the Helix attention",
+    "sglang/srt/layers/helix/kv_move.py": "[Helix] KV cache: move_kv_cache moves a logical id's K/V to its target's owner",
 }
 
 

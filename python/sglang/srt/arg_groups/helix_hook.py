@@ -231,13 +231,12 @@ UNSUPPORTED = {
     "expert parallelism yet": "ep_size=1 moe_a2a_backend:none enable_eplb elastic_ep_backend moe_dense_tp_size",
     "quantized weights yet": "quantization modelopt_quant",
 }
-# With an algorithm set: what the Helix draft/verify path (a chain draft over the sharded KV) does not run with.
+# With an algorithm set: what the Helix draft/verify path (drafts over the sharded KV) does not run with.
 SPEC_UNSUPPORTED = {
     "adaptive speculation yet": "speculative_adaptive speculative_adaptive_config",
     "a draft attention window yet": "speculative_draft_window_size speculative_draft_sink_size",
     "decode-mode speculative attention": "speculative_attention_mode=prefill",
     "multi-layer EAGLE yet": "enable_multi_layer_eagle",
-    "tree drafts yet": "speculative_eagle_topk=1",
     "speculative decoding in CUDA graphs yet": "helix_enable_cuda_graph",
 }
 
@@ -271,7 +270,7 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
 
 
 def check_speculative(cfg: Any) -> None:
-    """Chain drafts (a tree verify's custom mask is not applied yet) on Helix backends, eager, of Helix models."""
+    """EAGLE / STANDALONE drafts (trees on torch_native) on Helix backends, eager, of Helix models."""
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     alg, backend = cfg.speculative_algorithm, cfg.speculative_draft_attention_backend
@@ -284,6 +283,10 @@ def check_speculative(cfg: Any) -> None:
         unsupported(cfg, "this draft attention backend", [f"--speculative-draft-attention-backend {backend}"],
                     "Use triton or torch_native, or drop the flag")  # fmt: skip
     check_unsupported_flags(cfg, SPEC_UNSUPPORTED)
+    main = cfg.attention_backend or cfg.prefill_attention_backend or cfg.decode_attention_backend
+    if (cfg.speculative_eagle_topk or 1) > 1 and "triton" in (backend, main or ("triton" if cfg.device != "cpu" else 0)):
+        unsupported(cfg, "tree drafts on the triton backend yet", [f"--speculative-eagle-topk {cfg.speculative_eagle_topk}"],
+                    "Set --speculative-eagle-topk 1, or use --attention-backend torch_native")  # fmt: skip
     path, override = cfg.speculative_draft_model_path, (cfg.decrypted_draft_config_file or "").strip()
     if not path:
         return

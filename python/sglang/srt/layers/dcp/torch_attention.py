@@ -48,10 +48,12 @@ def partial_attention(
     scaling: float,
     query_pos: Optional[torch.Tensor] = None,
     key_pos: Optional[torch.Tensor] = None,
+    visible: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention of ``q [t, H, D]`` over ``k [l, Hk, D]`` / ``v [l, Hk, Dv]``, grouped by KV head
     (each read once for its ``H / Hk`` query heads); causal by ``query_pos [t]`` / ``key_pos [l]``
-    (``query_pos=None``: every key). ``(out [t, H, Dv], lse [t, H])``; no visible key: 0, -inf."""
+    (``query_pos=None``: every key), or by an explicit ``visible [t, l]`` mask (a speculative tree).
+    ``(out [t, H, Dv], lse [t, H])``; no visible key: 0, -inf."""
     t, H, D = q.shape
     num_kv_heads, group = k.shape[1], H // k.shape[1]
     out = torch.zeros(t, H, v.shape[2], dtype=q.dtype, device=q.device)
@@ -69,6 +71,8 @@ def partial_attention(
         s = torch.einsum("bkgd,lkd->kgbl", qb, k[:n]) * scaling  # [Hk, g, b, l]
         if query_pos is not None:
             s = s.masked_fill(key_pos[:n][None, :] > query_pos[tok][:, None], float("-inf"))
+        if visible is not None:
+            s = s.masked_fill(~visible[tok], float("-inf"))
         m = torch.logsumexp(s, dim=-1)  # [Hk, g, b]; -inf where nothing is visible
         p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
         o = torch.einsum("kgbl,lkd->bkgd", p, v[:n])  # [b, Hk, g, Dv]

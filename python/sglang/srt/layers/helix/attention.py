@@ -64,12 +64,14 @@ class HelixForwardMetadata:
         parallel = get_parallel()
         k, n, c = parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size
         rows = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
-        pool = _req_to_token(backend)
-        kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
+        draft_step = getattr(backend, "draft_decode_metadata", None)  # torch_native: a draft decode step's rows
+        if draft_step is not None:  # a row per draft token (tree branches moved up to seq_len), its ends
+            pool, slots, kv_ends, kv_ends_cpu = draft_step
+        else:
+            pool, slots = _req_to_token(backend), forward_batch.req_pool_indices
+            kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
         total = kv_layout.total_local_len(kv_ends_cpu, k, n, c)
-        indptr, indices, positions = kv_layout.local_kv_indices(
-            pool, forward_batch.req_pool_indices, kv_ends, total, k, n, c
-        )
+        indptr, indices, positions = kv_layout.local_kv_indices(pool, slots, kv_ends, total, k, n, c)
         return cls(k, n, c, rows, indptr, indices, total, positions)
 
     @classmethod
@@ -84,16 +86,28 @@ class HelixForwardMetadata:
 
 def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
     """``([B] tensor, host list)``: the end of each request's attended positions ``[0, end)``, new
-    tokens included: ``seq_lens``; a target verify adds its ``draft_token_num`` drafts; a draft decode
-    step (one token per request, past ``seq_lens`` on reserved slots) ends at its position + 1."""
-    mode = forward_batch.forward_mode
-    if mode.is_target_verify():
+    tokens included: ``seq_lens``; a target verify adds its ``draft_token_num`` drafts. (A draft
+    decode step's ends come with its rows: the torch_native draft backend's ``draft_decode_metadata``,
+    on Triton ``draft_kv_ends``.)"""
+    if forward_batch.forward_mode.is_target_verify():
         drafts = forward_batch.spec_info.draft_token_num
         return forward_batch.seq_lens + drafts, [int(x) + drafts for x in forward_batch.seq_lens_cpu]
-    if mode.is_decode() and forward_batch.spec_info is not None:
-        ends = forward_batch.positions.to(torch.int64) + 1
-        return ends, ends.tolist()
+    if forward_batch.forward_mode.is_decode() and forward_batch.spec_info is not None:
+        raise RuntimeError("helix attention: a draft decode step without its draft backend's rows")
     return forward_batch.seq_lens, forward_batch.seq_lens_cpu
+
+
+def tree_mask_of(forward_batch) -> Optional[Tuple[torch.Tensor, list]]:
+    """A tree verify's (top-k > 1) ``custom_mask`` in the FULL_MASK layout -- per request ``[n,
+    seq_len + n]`` flattened, back to back -- and each request's offset in it (host), else None."""
+    spec = forward_batch.spec_info
+    if not forward_batch.forward_mode.is_target_verify() or getattr(spec, "tree_topk", 1) == 1:
+        return None
+    n, offsets, at = spec.draft_token_num, [], 0
+    for seq_len in forward_batch.seq_lens_cpu:
+        offsets.append(at)
+        at += n * (int(seq_len) + n)
+    return spec.custom_mask, offsets
 
 
 def query_lens_of(forward_batch, batch_size: int) -> list:
@@ -283,6 +297,7 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
     indptr = meta.kv_indptr_host
     decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key of its request
+    tree = tree_mask_of(forward_batch)  # a tree verify: the mask's columns of the owned keys
     start = 0
     for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
         lo, hi = indptr[b], indptr[b + 1]
@@ -294,10 +309,16 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         run = meta.kv_run_starts[b]
         if run is not None:  # the same rows in the same order: a view, no copy
             rows = slice(run, run + hi - lo)
-        query_pos = None if decode else forward_batch.positions[tok].long()
+        key_pos, query_pos, visible = meta.kv_positions[lo:hi], None, None
+        if tree is not None:  # request b's [n, seq_len + n]: every prefix key, the tree keys by the mask
+            mask, offsets = tree
+            cols = int(forward_batch.seq_lens_cpu[b]) + q_len
+            visible = mask[offsets[b] : offsets[b] + q_len * cols].view(q_len, cols)[:, key_pos].bool()
+        elif not decode:
+            query_pos = forward_batch.positions[tok].long()
         out[tok], lse[tok] = partial_attention(
             q[tok], _read_rows(k_buf, rows, k_descale), _read_rows(v_buf, rows, v_descale),
-            layer.scaling, query_pos, meta.kv_positions[lo:hi],
+            layer.scaling, query_pos, key_pos, visible,
         )  # fmt: skip
     return out, lse
 
