@@ -290,15 +290,10 @@ UNSUPPORTED = {
         ["--pp-size", "2"],
         _unsupported("pipeline parallelism yet", "--pp-size 2", "Set --pp-size 1"),
     ),
-    "speculative-ngram": (
-        ["--speculative-algorithm", "NGRAM"],
-        _unsupported("NGRAM speculation yet", "--speculative-algorithm NGRAM",
-                     "Use --speculative-algorithm EAGLE or STANDALONE (chain drafts)"),
-    ),
     "speculative-eagle3": (
         ["--speculative-algorithm", "EAGLE3"],
         _unsupported("EAGLE3 speculation yet", "--speculative-algorithm EAGLE3",
-                     "Use --speculative-algorithm EAGLE or STANDALONE (chain drafts)"),
+                     "Use --speculative-algorithm EAGLE, STANDALONE or NGRAM"),
     ),
     "pd-decode": (
         ["--disaggregation-mode", "decode"],
@@ -845,7 +840,7 @@ def test_head_dim_the_exchange_cannot_take_is_refused_at_launch(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Speculative decoding (issue 27): EAGLE / STANDALONE chain drafts on torch_native and triton
+# Speculative decoding (issues 27, 33): EAGLE / STANDALONE chains and trees on torch_native and triton
 # --------------------------------------------------------------------------------------------
 def _spec(draft: str, topk: int = 1, steps: int = 3) -> list:
     return [
@@ -873,23 +868,29 @@ def test_standalone_chain_on_triton_is_accepted(model, draft_backend):
     assert cfg.attention_backend == "triton" and cfg.speculative_algorithm == "STANDALONE"
 
 
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_tree_drafts_are_accepted(model, backend):
+    """Tree drafts (top-k > 1) resolve on both Helix backends, pages of chunk x KVP included
+    (upstream's paged tree drafting; torch_native joins its backends in the CPU speculative patch)."""
+    server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", backend,
+                                    *_spec(model(), topk=2)])  # fmt: skip
+    cfg = view(server_args)
+    assert (cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens, cfg.attention_backend) == (2, 6, backend)
+    assert cfg.page_size > 1  # the Helix chunk: the paged tree layout
+
+
 @pytest.mark.parametrize(
     "extra, feature, given, fix, why",
     [
-        (["--speculative-eagle-topk", "2"], "tree drafts yet", "--speculative-eagle-topk 2",
-         "Set --speculative-eagle-topk 1", ""),
         (["--speculative-draft-attention-backend", "flashinfer"], "this draft attention backend",
          "--speculative-draft-attention-backend flashinfer", "Use triton or torch_native, or drop the flag", ""),
         (["--attention-backend", "triton", "--helix-enable-cuda-graph"], "speculative decoding in CUDA graphs yet",
          "--helix-enable-cuda-graph", "Drop --helix-enable-cuda-graph", ""),
     ],
-    ids=["tree", "draft-flashinfer", "cuda-graph"],
+    ids=["draft-flashinfer", "cuda-graph"],
 )  # fmt: skip
 def test_speculative_refusals(model, extra, feature, given, fix, why):
     args = _spec(model())
-    if extra[0] == "--speculative-eagle-topk":  # replaces the chain's topk (and its draft-token count)
-        args = _spec(model(), topk=int(extra[1]))
-        extra = []
     message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *args, *extra])
     assert message == _unsupported(feature, given, fix, why)
 

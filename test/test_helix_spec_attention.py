@@ -227,13 +227,20 @@ def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials):
     return out
 
 
-def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch):
-    """torch_native, top-k 2: the draft backend's rows (``TorchNativeMultiStepDraftBackend``: each
-    branch on its own KV page, ``prepare_for_draft``'s paged layout) give each branch's step the
-    prefix and that branch's own drafts; the verify applies the tree mask to the keys each rank
-    owns. Both equal float64 attention over the keys each token should see."""
+@pytest.mark.parametrize("backend_name", ["torch_native", "triton"])
+def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
+    """Top-k 2: each branch's draft step sees the prefix and that branch's own drafts, which
+    ``prepare_for_draft`` puts on the branch's own KV pages (torch_native: the draft backend's rows,
+    ``TorchNativeMultiStepDraftBackend``; Triton: the list kernel over two runs per token, no host
+    read); the verify applies the tree mask to the keys each rank owns (Triton: the owned prefix,
+    then the owned tree keys by the mask's columns). Both equal float64 attention over the keys each
+    token should see."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeMultiStepDraftBackend
+    from sglang.srt.layers.helix import decode_state
 
+    triton = backend_name == "triton"
+    monkeypatch.setattr(attention, "max_speculative_num_draft_tokens", lambda: STEPS_T)
+    monkeypatch.setattr(decode_state, "get_spec", lambda: SimpleNamespace(speculative_num_steps=STEPS_T))
     g = torch.Generator().manual_seed(3)
     req_to_token, pools = paged_table_and_pools(torch.float32)
     page = CHUNK * KVP
@@ -241,8 +248,11 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch):
     partials = capture_partials(monkeypatch)
     backends = []
     for r in range(KVP):
-        backend = BACKENDS["torch_native"](pools[r], req_to_token)
-        backend.use_sliding_window_kv_pool, backend.draft_decode_metadata = False, None
+        backend = BACKENDS[backend_name](pools[r], req_to_token)
+        if triton:
+            backend.helix_decode = HelixDecodeState(req_to_token, r, KVP, CHUNK)
+        else:
+            backend.use_sliding_window_kv_pool, backend.draft_decode_metadata = False, None
         backends.append(backend)
     reqs = [(0, 7), (1, 5)]  # (slot, committed seq_len): the prefix ends mid-page
     slots = torch.tensor([s for s, _ in reqs])
@@ -268,7 +278,7 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch):
     start = (seq[:, None] + torch.arange(TOPK)[None, :] * new_pages[:, None] * page).reshape(-1)  # [B * topk]
     req_of = torch.arange(len(reqs)).repeat_interleave(TOPK)
     round_batch = SimpleNamespace(seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=slots, out_cache_loc=None)
-    for m in multi:  # once per draft round, before its steps (as the draft worker does)
+    for m in multi if not triton else ():  # once per draft round, before its steps (as the draft worker does)
         m.init_forward_metadata(round_batch)
     for step in range(STEPS_T - 1):
         loc = req_to_token[slots[req_of], start + step].long()
@@ -278,8 +288,12 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch):
         )  # fmt: skip
         T = loc.shape[0]
         q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
-        step_backends = [m.attn_backends[step] for m in multi]
-        out = _run_ranks(monkeypatch, step_backends, layer, lambda r: fb, q, k, v, partials)
+        step_backends = backends if triton else [m.attn_backends[step] for m in multi]
+        with monkeypatch.context() as mp:
+            if triton:  # no device-to-host read in a draft step (on a GPU: a sync)
+                for name in ("item", "tolist", "cpu", "numpy"):
+                    mp.setattr(torch.Tensor, name, _forbid(name))
+            out = _run_ranks(monkeypatch, step_backends, layer, lambda r: fb, q, k, v, partials)
         for t in range(T):
             b = int(req_of[t])
             locs = torch.cat([req_to_token[slots[b], : seq[b]], req_to_token[slots[b], start[t] : start[t] + step + 1]])

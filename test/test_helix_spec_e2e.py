@@ -1,8 +1,8 @@
 """Speculative decoding under Helix on the CPU harness (issue 27): real ``--tp 4`` servers.
 
-Helix serves EAGLE and STANDALONE chain drafts (``--speculative-eagle-topk 1``) on torch_native and triton
-(``docs/helix-flags.md``, "Speculative decoding"; the refusals are ``test_helix_args.py``'s). What
-runs where:
+Helix serves EAGLE and STANDALONE chain drafts (``--speculative-eagle-topk 1``) and tree drafts (top-k > 1,
+issue 33) on torch_native and triton (``docs/helix-flags.md``, "Speculative decoding"; the refusals are
+``test_helix_args.py``'s). What runs where:
 
 - the target verify is an extend of the ``k + 1`` draft tokens over the sequence-sharded prefix
   (``kv_ends_of`` / ``query_lens_of`` in ``layers/helix/attention.py``): each rank attends every
@@ -13,7 +13,10 @@ runs where:
   ids, same owners); its decode steps run past ``seq_lens`` on the slots the scheduler reserved,
   so each step's local KV list ends at the step's position;
 - rejected drafts' slots are the scheduler's over-allocation, freed by the allocator every rank
-  shares (logical ids), so they are freed on every rank at once.
+  shares (logical ids), so they are freed on every rank at once;
+- a tree: each rank applies the verify's tree mask to the keys it owns, each draft branch sits on
+  its own KV pages (a shift by whole pages keeps its owners), and the accepted path moves to the
+  front of the verify window across ranks (``kv_move``).
 
 ``--helix-kvp-chunk-size 4`` with a chain of 3 (4 draft tokens): every verify and every draft
 chain crosses an ownership boundary.
@@ -173,17 +176,21 @@ def tree_args(args: list, topk: int = 2, draft_tokens: int = 6) -> list:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kvp", [2, pytest.param(4, marks=FULL)])
-def test_helix_tree_draft_serves_plain_tp_tokens(model_dir, server_log_dir, kvp):
+@pytest.mark.parametrize(
+    "kvp, backend", [(2, BACKEND), pytest.param(4, BACKEND, marks=FULL), pytest.param(2, "triton", marks=FULL)]
+)
+def test_helix_tree_draft_serves_plain_tp_tokens(model_dir, server_log_dir, kvp, backend):
     """A tree draft (STANDALONE, top-k 2, 6 tokens verified per step) under Helix: each rank applies
     the verify's tree mask to the keys it owns, draft branches start on their own KV page (so a
     branch's keys keep their owners), and the accepted path moves to the front of the verify window
     across ranks (``kv_move``). Plain TP's tokens and logprobs; per prompt the verifies and accepted
-    drafts of plain TP + the same tree; every rank's KV back after the run."""
+    drafts of plain TP + the same tree; every rank's KV back after the run. Triton (interpreted,
+    full tier): the draft steps' lists from two runs per token, the verify's owned tree keys by the
+    mask's columns."""
     ref = reference(model_dir, server_log_dir)
     model = model_dir(GQA)
     args = tree_args(helix_spec_args("STANDALONE", model, kvp))
-    got, before, after = run_checked(model, args, server_log_dir, generate)
+    got, before, after = run_checked(model, args, server_log_dir, generate, backend)
     assert_generate_matches(ref["probe"].completions, got, model, f"Helix KVP {kvp} tree")
     assert assert_speculated(got, f"Helix KVP {kvp} tree") > 1.5
     plain_tree = run_workload(model, tree_args(spec_args("STANDALONE", model)), BACKEND, server_log_dir, generate)

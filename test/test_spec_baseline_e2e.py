@@ -224,3 +224,22 @@ def test_standalone_torch_native_tree_matches_plain_tp(model_dir, server_log_dir
     got = run_workload(model, args, "torch_native", server_log_dir, generate)
     assert_generate_matches(ref["probe"].completions, got, model, "STANDALONE tree torch_native")
     assert assert_speculated(got, "STANDALONE tree torch_native") > 1.0
+
+
+def ngram_args(draft_tokens: int = 6) -> list[str]:
+    """NGRAM: no draft model; drafts are tree-shaped matches of the prompt and output so far."""
+    return ["--tp", str(TP), "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(draft_tokens)]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=FULL)])
+def test_ngram_torch_native_matches_plain_tp(model_dir, server_log_dir, page_size):
+    """NGRAM on the CPU engine (upstream's n-gram corpus, a C++ extension JIT-built here): its verify
+    mask is FULL_MASK where the backend reads it so (the tree-mask patch; 0.5.23 kept the qlen x qlen
+    mask on every CPU server), and torch_native reads each token's row at any page size: plain TP's
+    greedy tokens and logprobs, drafts accepted."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    got = run_workload(model, ngram_args() + ["--page-size", str(page_size)], "torch_native", server_log_dir, generate)
+    assert_generate_matches(ref["probe"].completions, got, model, f"NGRAM torch_native page {page_size}")
+    assert assert_speculated(got, f"NGRAM torch_native page {page_size}") > 1.0

@@ -484,6 +484,7 @@ PREFIX_TESTS = {
         "or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream or kvp1_resolves",
     ],
     "[Helix] KV cache: a speculative draft is sharded like its target": ["test/test_helix_kv_cache.py"],
+    "[Helix] KV cache: move_kv_cache moves a logical id's K/V to its target's owner": ["test/test_helix_kv_move.py"],
     "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
         "test/test_helix_kv_layout.py", "test/test_helix_memory.py", "-k", "not triton",  # the allocator's torch path
     ],

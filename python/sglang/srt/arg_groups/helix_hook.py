@@ -270,23 +270,19 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
 
 
 def check_speculative(cfg: Any) -> None:
-    """EAGLE / STANDALONE drafts (trees on torch_native) on Helix backends, eager, of Helix models."""
+    """EAGLE / STANDALONE drafts (chains and trees) and NGRAM on Helix backends, eager, of Helix models."""
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     alg, backend = cfg.speculative_algorithm, cfg.speculative_draft_attention_backend
     if not set(helix_architectures(drafts=True)) - set(helix_architectures()):  # the speculation patches' opt-in
         unsupported(cfg, "speculative decoding yet", [f"--speculative-algorithm {alg}"], "Drop --speculative-algorithm")
-    if str(alg).upper() not in ("EAGLE", "STANDALONE"):
+    if str(alg).upper() not in ("EAGLE", "STANDALONE", "NGRAM"):
         unsupported(cfg, f"{alg} speculation yet", [f"--speculative-algorithm {alg}"],
-                    "Use --speculative-algorithm EAGLE or STANDALONE (chain drafts)")  # fmt: skip
+                    "Use --speculative-algorithm EAGLE, STANDALONE or NGRAM")  # fmt: skip
     if backend not in (None, *HELIX_ATTENTION_BACKENDS):
         unsupported(cfg, "this draft attention backend", [f"--speculative-draft-attention-backend {backend}"],
                     "Use triton or torch_native, or drop the flag")  # fmt: skip
     check_unsupported_flags(cfg, SPEC_UNSUPPORTED)
-    main = cfg.attention_backend or cfg.prefill_attention_backend or cfg.decode_attention_backend
-    if (cfg.speculative_eagle_topk or 1) > 1 and "triton" in (backend, main or ("triton" if cfg.device != "cpu" else 0)):
-        unsupported(cfg, "tree drafts on the triton backend yet", [f"--speculative-eagle-topk {cfg.speculative_eagle_topk}"],
-                    "Set --speculative-eagle-topk 1, or use --attention-backend torch_native")  # fmt: skip
     path, override = cfg.speculative_draft_model_path, (cfg.decrypted_draft_config_file or "").strip()
     if not path:
         return

@@ -127,7 +127,8 @@ def draft_kv_ends(forward_batch) -> Tuple[torch.Tensor, list]:
     committed length plus the most tokens a draft may write past it
     (``max_speculative_num_draft_tokens``, adaptive speculation's largest)."""
     bound = max_speculative_num_draft_tokens() or 1
-    return forward_batch.positions.to(torch.int64) + 1, [int(n) + bound for n in forward_batch.seq_lens_cpu]
+    topk = forward_batch.out_cache_loc.shape[0] // max(1, forward_batch.req_pool_indices.shape[0])  # a tree: per token
+    return forward_batch.positions.to(torch.int64) + 1, [int(n) + bound for n in forward_batch.seq_lens_cpu for _ in range(topk)]
 
 
 def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, list]:
@@ -393,6 +394,9 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, ba
     # merged here: [0] every query over the owned prefix, [1] each segment over the owned new
     # tokens before it, [2] each segment causally over itself (kept only where this rank owns it;
     # the others compute it too, a chunk x segment sliver, rather than gather the owned ones).
+    tree = tree_mask_of(forward_batch)
+    if tree is not None:
+        return _triton_tree_verify(layer, q, k.contiguous(), v.contiguous(), forward_batch, meta, backend, tree)
     if meta.extend_lists is None:  # once per batch
         meta.extend_lists = TritonExtendLists.build(forward_batch, meta, _req_to_token(backend))
     x = meta.extend_lists
@@ -412,3 +416,49 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, ba
         )  # fmt: skip
     lses[2].masked_fill_(~x.seg_owned[:, None], float("-inf"))
     return dcp_lse_combine_triton(outs, lses, return_lse=True)  # [T, Q/TPA, Dv], [T, Q/TPA]
+
+
+def _triton_tree_verify(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend, tree):
+    """A tree verify (top-k > 1) on Triton: two partials over the keys this rank owns, merged here:
+    [0] every draft token over the owned committed prefix (all visible, no mask), [1] every draft
+    token over the owned tree keys (already written) by the verify's mask, its columns of those keys
+    (``[n, L + n]`` per request, L the owned tree keys; the kernel's extend part is skipped)."""
+    k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
+    T, H, _ = q.shape
+    if meta.extend_lists is None:  # once per batch: (the prefix call's lists, the tree call's, its mask)
+        kr, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
+        pool, slots, seq = _req_to_token(backend), forward_batch.req_pool_indices, forward_batch.seq_lens
+        seq_cpu = [int(x) for x in forward_batch.seq_lens_cpu]
+        drafts = forward_batch.spec_info.draft_token_num
+        qo = torch.arange(0, T + 1, drafts, dtype=torch.int32, device=q.device)  # [B+1]
+        prefix = kv_layout.local_kv_indices(pool, slots, seq, kv_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c)
+        ends_cpu = [x + drafts for x in seq_cpu]
+        owned_tree = kv_layout.total_local_len(ends_cpu, kr, n, c) - kv_layout.total_local_len(seq_cpu, kr, n, c)
+        tree_indptr, tree_rows, tree_pos = kv_layout.local_kv_indices(
+            pool, slots, seq + drafts, owned_tree, kr, n, c, kv_starts=seq
+        )  # fmt: skip
+        mask, offsets = tree
+        local_masks, mask_indptr = [], [0]
+        owned = kv_layout.local_kv_lens([drafts] * len(seq_cpu), kr, n, c, start=seq_cpu)  # host [B]
+        bounds = [0] + torch.cumsum(owned, dim=0).tolist()  # each request's span in the tree list (host)
+        for b, seq_len in enumerate(seq_cpu):
+            lo, hi = bounds[b], bounds[b + 1]
+            full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(drafts, seq_len + drafts)
+            cols = torch.cat([full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1)  # [n, L + n]
+            local_masks.append(cols.reshape(-1))
+            mask_indptr.append(mask_indptr[-1] + cols.numel())
+        mask_indptr = torch.tensor(mask_indptr, dtype=torch.int64, device=q.device)
+        meta.extend_lists = (qo, prefix[0], prefix[1], tree_indptr, tree_rows, torch.cat(local_masks), mask_indptr)
+    qo, prefix_indptr, prefix_rows, tree_indptr, tree_rows, local_mask, mask_indptr = meta.extend_lists
+    drafts = forward_batch.spec_info.draft_token_num
+    lens_cpu = [drafts] * (qo.shape[0] - 1)
+    outs = torch.empty((2, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device)  # [2, T, Q/TPA, Dv]
+    lses = torch.empty((2, T, H), dtype=torch.float32, device=q.device)
+    for i, (kv_indptr, kv_indices, mask) in enumerate(((prefix_indptr, prefix_rows, None), (tree_indptr, tree_rows, local_mask))):
+        extend_attention_fwd(
+            q, k, v, outs[i], k_buf, v_buf, qo, kv_indptr, kv_indices, mask, True,
+            None if mask is None else mask_indptr, drafts, k_descale, v_descale, sm_scale=layer.scaling,
+            skip_prefix_custom_mask=mask is None, lse_extend=lses[i], skip_extend=True, extend_seq_lens_cpu=lens_cpu,
+        )  # fmt: skip
+    return dcp_lse_combine_triton(outs, lses, return_lse=True)
+

@@ -24,7 +24,7 @@ import triton
 from sglang.kernels.ops.attention.dcp_kernels import _lse_pack_dim, create_triton_kv_indices_for_dcp_triton
 from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 from sglang.srt.layers.helix.kv_layout import local_kv_lens, write_rows
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_parallel, get_spec
 
 logger = logging.getLogger(__name__)
 
@@ -270,15 +270,40 @@ class HelixDecodeState:
         batch = forward_batch.req_pool_indices.shape[0]
         rows = buffers.write_rows[:num_tokens]
         rows.copy_(write_rows(forward_batch.out_cache_loc, k, n, c))
-        kv_indptr = buffers.kv_indptr[: batch + 1]
-        local_lens = local_kv_lens(forward_batch.seq_lens if kv_ends is None else kv_ends, k, n, c)  # [B]
+        ends = forward_batch.seq_lens if kv_ends is None else kv_ends  # [B], or a tree draft step's [T]
+        kv_indptr = buffers.kv_indptr[: ends.shape[0] + 1]
+        local_lens = local_kv_lens(ends, k, n, c)  # [B] / [T]
         torch.cumsum(local_lens, dim=0, dtype=torch.int32, out=kv_indptr[1:])
-        if batch:
-            create_triton_kv_indices_for_dcp_triton[(batch,)](
-                self.req_to_token, forward_batch.req_pool_indices, local_lens, kv_indptr, None,
+        slots, lens, offsets, starts = forward_batch.req_pool_indices, local_lens, kv_indptr, None
+        if ends.shape[0] != batch and batch:  # a tree draft step: the prefix, then the branch's drafts
+            slots, lens, offsets, starts = self._tree_segments(forward_batch, ends, local_lens, kv_indptr)
+        if lens.shape[0]:
+            create_triton_kv_indices_for_dcp_triton[(lens.shape[0],)](
+                self.req_to_token, slots, lens, offsets, starts,
                 buffers.kv_indices, self.req_to_token.stride(0), n, k, interleave_size=c,
             )  # fmt: skip
         return HelixDecodeMetadata(rows, kv_indptr, buffers.kv_indices, local_lens, buffers)
+
+    def _tree_segments(self, forward_batch, ends: torch.Tensor, local_lens: torch.Tensor, kv_indptr: torch.Tensor):
+        """A tree draft step (top-k tokens per request): token ``m`` of branch ``t`` lists the
+        committed prefix ``[0, seq_len)`` and its branch's drafts, which ``prepare_for_draft`` puts
+        on the branch's own pages, ``t * num_new_pages * page`` rows past ``seq_len`` (a multiple of
+        the page ``chunk x KVP``: the same owners as ``[seq_len, end)``). Per token two runs for
+        the list kernel: ``(slot, local length, list offset, start position)`` ``[2T]``."""
+        k, n, c = self.kvp_rank, self.kvp_size, self.chunk
+        topk = ends.shape[0] // forward_batch.req_pool_indices.shape[0]
+        seq = forward_batch.seq_lens.to(torch.int64).repeat_interleave(topk)  # [T]
+        page, steps = c * n, get_spec().speculative_num_steps
+        branch = torch.arange(topk, device=seq.device).repeat(forward_batch.req_pool_indices.shape[0])
+        start = seq + branch * ((seq % page + steps + page - 1) // page) * page  # [T] row of the branch's first draft
+        prefix_lens = local_kv_lens(seq, k, n, c)  # [T]; the branch: local_lens - prefix_lens
+        pair = lambda a, b: torch.stack([a, b], dim=1).reshape(-1)  # noqa: E731
+        slots = forward_batch.req_pool_indices.repeat_interleave(topk)
+        offsets = kv_indptr[:-1].to(torch.int64)
+        return (
+            pair(slots, slots), pair(prefix_lens, local_lens - prefix_lens), pair(offsets, offsets + prefix_lens),
+            pair(torch.zeros_like(start), start),
+        )  # fmt: skip
 
     # -- eager ----------------------------------------------------------------------------
 
