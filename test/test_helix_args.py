@@ -879,6 +879,21 @@ def test_tree_drafts_are_accepted(model, backend):
     assert cfg.page_size > 1  # the Helix chunk: the paged tree layout
 
 
+def test_ngram_resolves_on_torch_native(model):
+    """NGRAM (no draft model; its default breadth-10 trees) at the default chunk (page 64)."""
+    args = ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "torch_native", "--speculative-algorithm", "NGRAM"]
+    cfg = view(resolve(model(), args))
+    assert (cfg.speculative_algorithm, cfg.speculative_eagle_topk, cfg.page_size) == ("NGRAM", 10, 64)
+
+
+def test_ngram_trees_on_triton_are_upstreams_refusal(model):
+    """On triton upstream's NGRAM check refuses trees on a paged pool (its verify's page tables); one
+    line naming both values, no traceback through launch_server (its usage-error patch)."""
+    args = ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton", "--speculative-algorithm", "NGRAM"]
+    with pytest.raises(ValueError, match=r"speculative_eagle_topk\(10\) > 1 with page_size\(64\) > 1"):
+        resolve(model(), args)
+
+
 @pytest.mark.parametrize(
     "extra, feature, given, fix, why",
     [

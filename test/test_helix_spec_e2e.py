@@ -48,7 +48,10 @@ from test_helix_kv_leak import _stream_generate_then_abort, _stream_then_close
 from test_spec_baseline_e2e import (
     assert_generate_matches,
     assert_speculated,
+    assert_ngram_run,
     generate,
+    ngram_args,
+    ngram_run,
     reference,
     spec_args,
 )
@@ -196,6 +199,23 @@ def test_helix_tree_draft_serves_plain_tp_tokens(model_dir, server_log_dir, kvp,
     plain_tree = run_workload(model, tree_args(spec_args("STANDALONE", model)), BACKEND, server_log_dir, generate)
     assert_generate_matches(ref["probe"].completions, plain_tree, model, "plain TP tree")
     assert counts(got) == counts(plain_tree)
+    assert_every_rank_back(before, after, 4)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kvp, backend", [(2, BACKEND), pytest.param(4, BACKEND, marks=FULL)])
+def test_helix_ngram_serves_plain_tp_tokens(model_dir, server_log_dir, kvp, backend):
+    """NGRAM (no draft model; upstream's n-gram corpus proposes trees of up to 6 tokens from the
+    tokens it has seen; the batch runs twice, so the second round's drafts are accepted) under Helix at the default chunk (64: NGRAM's tree on a paged
+    pool): the verify takes the tree path (tree mask by owner, accepted path moved across ranks).
+    Plain TP's tokens and logprobs; per prompt the verifies and accepted drafts of plain TP + NGRAM
+    (the corpus sees the same tokens); every rank's KV back after the run."""
+    ref = reference(model_dir, server_log_dir)
+    model = model_dir(GQA)
+    got, before, after = run_checked(model, ngram_args() + ["--helix-kvp-size", str(kvp)], server_log_dir, ngram_run, backend)
+    assert assert_ngram_run(ref["probe"].completions, got, model, f"Helix KVP {kvp} NGRAM") > 1.5
+    plain = run_workload(model, ngram_args(), BACKEND, server_log_dir, ngram_run)
+    assert [counts(got[r]) for r in ("first", "second")] == [counts(plain[r]) for r in ("first", "second")]
     assert_every_rank_back(before, after, 4)
 
 

@@ -483,6 +483,7 @@ PREFIX_TESTS = {
         "kvp_size_below_one or interleave_size_below_one or chunk_size_below_one or not_divisible_by_kvp "
         "or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream or kvp1_resolves",
     ],
+    "[CPU] NGRAM: the verify's tree indices in torch on the CPU engine": ["test/test_ngram_tree_indices.py"],
     "[Helix] KV cache: a speculative draft is sharded like its target": ["test/test_helix_kv_cache.py"],
     "[Helix] KV cache: move_kv_cache moves a logical id's K/V to its target's owner": ["test/test_helix_kv_move.py"],
     "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
