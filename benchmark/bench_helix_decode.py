@@ -40,7 +40,8 @@ next to what the layout implies per rank and decode step, from the model's confi
 With --spec-steps 0,3 each layout also runs with speculative decoding (STANDALONE, the target as
 its own draft, a chain of 3): its rows are named ``<layout>+standalone-3`` and carry the accept
 length (tokens per verify, from the ``meta_info`` counters); tpot_ms is then the time per output
-token, verify steps and draft steps together.
+token, verify steps and draft steps together. --spec none,chain-3,tree-3x2,ngram-6 runs trees
+(``+standalone-3x2``: top-k 2, 6 draft tokens) and NGRAM (``+ngram-6``, no draft model) beside the chain.
 
 Then, per model and batch (rows without speculation), what the KV bytes predict: plain TP's TPOT at the same context minus
 the KV bytes Helix does not read, priced at plain TP's marginal cost per MiB (between its two
@@ -109,10 +110,40 @@ def read_layout(base_url: str, default_chunk: int = 64) -> Layout:
         with open(cfg_path) as f:
             config = json.load(f)
     chunked = info.get("chunked_prefill_size")
-    algorithm = info.get("speculative_algorithm")
-    spec = f"{str(algorithm).lower()}-{info.get('speculative_num_steps')}" if algorithm else None
+    spec = spec_name(info)
     dcp, rq = int(info.get("dcp_size") or 1), bool(info.get("dcp_replicate_q_proj"))
     return Layout(base_url, tp, kvp, tp // kvp, chunk, int(capacity), model_path, config, chunked, spec, dcp, rq)
+
+
+def spec_name(info: dict) -> str | None:
+    """A server's speculation as a row name: ``standalone-3`` (a chain of 3), ``standalone-3x2`` (a
+    tree: 3 steps, top-k 2), ``ngram-6`` (6 draft tokens); None without speculation."""
+    algorithm = info.get("speculative_algorithm")
+    if not algorithm:
+        return None
+    if str(algorithm).upper() == "NGRAM":
+        return f"ngram-{info.get('speculative_num_draft_tokens')}"
+    topk = int(info.get("speculative_eagle_topk") or 1)
+    return f"{str(algorithm).lower()}-{info.get('speculative_num_steps')}" + (f"x{topk}" if topk > 1 else "")
+
+
+def spec_flags(spec: str, model: str) -> list[str]:
+    """The launch flags of one ``--spec`` entry: ``none``, ``chain-S`` (STANDALONE, the target as
+    its own draft, S steps), ``tree-SxK`` (the same with top-k K, S * K draft tokens), ``ngram-N``."""
+    kind, _, size = spec.partition("-")
+    if kind == "none":
+        return []
+    if kind == "ngram":
+        return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", size]
+    steps, _, topk = size.partition("x")
+    steps, topk = int(steps), int(topk or 1)
+    if kind not in ("chain", "tree") or (kind == "tree") != (topk > 1):
+        raise SystemExit(f"--spec {spec}: use none, chain-S, tree-SxK (K > 1) or ngram-N")
+    return [
+        "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model,
+        "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+        "--speculative-num-draft-tokens", str(steps + 1 if topk == 1 else steps * topk),
+    ]  # fmt: skip
 
 
 def stream_generate(
@@ -309,10 +340,11 @@ def bench_cpu(args) -> list[Row]:
     new_tokens = args.new_tokens + (args.profile_tokens if args.profile else 0)
     max_context = max(args.context) + new_tokens + 16
     need = max(b * (c + new_tokens + 16) for c, b in cases(args))
-    launches = [(k, layout, steps) for k, layout in cpu_layouts(args) for steps in args.spec_steps]
+    specs = list(args.spec or []) + [f"chain-{s}" if s else "none" for s in args.spec_steps if args.spec is None or s]
+    launches = [(k, layout, spec) for k, layout in cpu_layouts(args) for spec in dict.fromkeys(specs)]
     progress = Progress(len(launches) * len(cases(args)))
     rows = []
-    for k, layout, steps in launches:
+    for k, layout, spec_entry in launches:
         spec = TinyModelSpec(
             num_heads=args.heads, num_kv_heads=k, head_dim=args.head_dim, num_layers=args.layers,
             intermediate_size=args.intermediate_size, max_position_embeddings=max(8192, max_context),
@@ -326,12 +358,7 @@ def bench_cpu(args) -> list[Row]:
         chunk_tokens = args.chunked_prefill_size or max(need, 16384)
         flags += ["--chunked-prefill-size", str(chunk_tokens), "--max-prefill-tokens", str(chunk_tokens)]
         flags += ["--watchdog-timeout", "3600"]  # a 32K-token prefill forward takes minutes on 2 cores
-        if steps:  # STANDALONE, the target as its own draft: a chain of `steps`
-            flags += [
-                "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model,
-                "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(steps + 1),
-            ]  # fmt: skip
+        flags += spec_flags(spec_entry, model)
         with CpuServer(model, flags, attention_backend=args.attention_backend, log_dir=args.work_dir) as srv:
             profiler = RankProfiler(srv.proc.pid, args) if args.profile else None
             rows += bench_server(srv.base_url, args, progress, profiler)
@@ -560,6 +587,11 @@ def main() -> int:
         "--spec-steps", type=_ints, default=[0],
         help="speculative chains to run each layout with: 0 = none, s = STANDALONE (the target as its own draft), "
         "--speculative-num-steps s, top-k 1; e.g. 0,3",
+    )  # fmt: skip
+    cpu.add_argument(
+        "--spec", type=lambda v: v.split(","), default=None,
+        help="speculation per layout, any of none, chain-S, tree-SxK (STANDALONE, top-k K), ngram-N (NGRAM, "
+        "N draft tokens); e.g. none,chain-3,tree-3x2,ngram-6 (with --spec-steps: added to its chains)",
     )  # fmt: skip
     cpu.add_argument("--max-total-tokens", type=int, default=65536, help="at least; raised to fit the largest batch")
     cpu.add_argument("--profile", help="py-spy every scheduler rank over --profile-tokens extra decode steps of each request; files and a per-rank summary here")

@@ -107,3 +107,20 @@ def test_profile_buckets_put_waits_before_compute(tmp_path):
     assert s["all-reduce (o_proj / MLP / embedding)"] == 0.6
     assert s["helix partial (einsum, softmax)"] == 0.2
     assert s["scheduler broadcast (waiting for rank 0 / the others)"] == 0.2
+
+
+def test_spec_entries_and_row_names():
+    """``--spec``: a chain, a tree and NGRAM launch with their flags, and their rows are told apart."""
+    assert bench.spec_flags("none", "M") == []
+    chain, tree = bench.spec_flags("chain-3", "M"), bench.spec_flags("tree-3x2", "M")
+    assert chain[chain.index("--speculative-eagle-topk") + 1] == "1" and chain[-1] == "4"
+    assert tree[tree.index("--speculative-eagle-topk") + 1] == "2" and tree[-1] == "6"
+    assert bench.spec_flags("ngram-6", "M") == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6"]
+    for bad in ("tree-3", "chain-3x2", "beam-2"):
+        with pytest.raises(SystemExit):
+            bench.spec_flags(bad, "M")
+    info = {"speculative_algorithm": "STANDALONE", "speculative_num_steps": 3, "speculative_eagle_topk": 2}
+    assert bench.spec_name(info) == "standalone-3x2"
+    assert bench.spec_name({**info, "speculative_eagle_topk": 1}) == "standalone-3"
+    assert bench.spec_name({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}) == "ngram-6"
+    assert bench.spec_name({}) is None

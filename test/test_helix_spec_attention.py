@@ -99,7 +99,7 @@ FORWARDS = [
 
 def _forbid(name):
     def forbidden(self, *args, **kwargs):
-        raise AssertionError(f"Tensor.{name}() in a Helix draft step: a device-to-host read")
+        raise AssertionError(f"Tensor.{name}() in a Helix speculative forward: a device-to-host read")
 
     return forbidden
 
@@ -152,7 +152,7 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
                 assert backends[r].helix_decode.metadata is None
             before = dict(filled)
             with monkeypatch.context() as m:
-                if triton and mode == "draft":  # no device-to-host read in a draft step (on a GPU: a sync)
+                if triton and mode in ("draft", "verify"):  # no device-to-host read (on a GPU: a sync)
                     for name in ("item", "tolist", "cpu", "numpy"):
                         m.setattr(torch.Tensor, name, _forbid(name))
                 for _ in range(2):  # two layers of one forward: the second reuses the first's lists
@@ -321,7 +321,11 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     )  # fmt: skip
     T = loc.shape[0]
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
-    out = _run_ranks(monkeypatch, backends, layer, lambda r: fb, q, k, v, partials)
+    with monkeypatch.context() as mp:
+        if triton:  # the verify's lists and mask from host lengths: no device-to-host read
+            for name in ("item", "tolist", "cpu", "numpy"):
+                mp.setattr(torch.Tensor, name, _forbid(name))
+        out = _run_ranks(monkeypatch, backends, layer, lambda r: fb, q, k, v, partials)
     for t in range(T):
         b, j = divmod(t, DRAFTS)
         s, n = reqs[b]

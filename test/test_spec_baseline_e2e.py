@@ -245,7 +245,8 @@ def assert_ngram_run(completions, got: dict, model: str, what: str) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=FULL)])
+@FULL
+@pytest.mark.parametrize("page_size", [1, 4])
 def test_ngram_torch_native_matches_plain_tp(model_dir, server_log_dir, page_size):
     """NGRAM on the CPU engine (upstream's n-gram corpus, a C++ extension JIT-built here; the verify's
     tree indices in torch, the CPU NGRAM patch): its verify mask is FULL_MASK where the backend reads

@@ -58,6 +58,7 @@ class HelixForwardMetadata:
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
     store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the K/V store's arguments (_write_owned)
+    tree_visible: Optional[list] = None  # torch_native tree verify: per request [n, l] (the owned keys' mask columns)
 
     @classmethod
     def build(cls, forward_batch, backend) -> "HelixForwardMetadata":
@@ -298,7 +299,14 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
     indptr = meta.kv_indptr_host
     decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key of its request
-    tree = tree_mask_of(forward_batch)  # a tree verify: the mask's columns of the owned keys
+    tree = tree_mask_of(forward_batch)  # a tree verify: the mask's columns of the owned keys, once per batch
+    if tree is not None and meta.tree_visible is None:
+        mask, offsets = tree
+        n, seq = forward_batch.spec_info.draft_token_num, forward_batch.seq_lens_cpu
+        meta.tree_visible = [
+            mask[offsets[b] : offsets[b] + n * (int(seq[b]) + n)].view(n, -1)[:, meta.kv_positions[indptr[b] : indptr[b + 1]]].bool()
+            for b in range(len(indptr) - 1)
+        ]  # fmt: skip
     start = 0
     for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
         lo, hi = indptr[b], indptr[b + 1]
@@ -312,9 +320,7 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
             rows = slice(run, run + hi - lo)
         key_pos, query_pos, visible = meta.kv_positions[lo:hi], None, None
         if tree is not None:  # request b's [n, seq_len + n]: every prefix key, the tree keys by the mask
-            mask, offsets = tree
-            cols = int(forward_batch.seq_lens_cpu[b]) + q_len
-            visible = mask[offsets[b] : offsets[b] + q_len * cols].view(q_len, cols)[:, key_pos].bool()
+            visible = meta.tree_visible[b]
         elif not decode:
             query_pos = forward_batch.positions[tok].long()
         out[tok], lse[tok] = partial_attention(
@@ -439,10 +445,10 @@ def _triton_tree_verify(layer, q, k, v, forward_batch, meta: HelixForwardMetadat
         )  # fmt: skip
         mask, offsets = tree
         local_masks, mask_indptr = [], [0]
-        owned = kv_layout.local_kv_lens([drafts] * len(seq_cpu), kr, n, c, start=seq_cpu)  # host [B]
-        bounds = [0] + torch.cumsum(owned, dim=0).tolist()  # each request's span in the tree list (host)
-        for b, seq_len in enumerate(seq_cpu):
-            lo, hi = bounds[b], bounds[b + 1]
+        owned = lambda end: end // (n * c) * c + min(max(end % (n * c) - kr * c, 0), c)  # noqa: E731 (host)
+        hi = 0
+        for b, seq_len in enumerate(seq_cpu):  # request b's span in the tree list: [lo, hi)
+            lo, hi = hi, hi + owned(seq_len + drafts) - owned(seq_len)
             full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(drafts, seq_len + drafts)
             cols = torch.cat([full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1)  # [n, L + n]
             local_masks.append(cols.reshape(-1))
