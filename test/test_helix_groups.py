@@ -18,15 +18,13 @@ part runs from the patch "[CPU] Decode context parallelism on the CPU engine" on
 
 import importlib.util
 import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sglang.srt.distributed import parallel_state
+from sglang_helix.testing.workers import run_workers
 from sglang.srt.distributed.parallel_state import dcp_group_ranks
 
 # The CPU engine builds DCP groups (the patch "[CPU] Decode context parallel groups on the CPU engine").
@@ -146,18 +144,4 @@ def test_real_gloo_groups(monkeypatch):
     preload = ["sglang.srt.distributed.parallel_state"] + (
         ["sglang.srt.layers.sampler"] if DCP_ON_CPU else []
     )
-    mp.set_forkserver_preload(preload)
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _worker, args=(world, os.path.join(tmp, "init")), nprocs=world, join=False, start_method="forkserver"
-        )
-        deadline = time.monotonic() + 240
-        try:
-            while not ctx.join(timeout=1.0):  # raises if a child failed
-                if time.monotonic() > deadline:
-                    raise TimeoutError("helix group workers ran over 240s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
+    run_workers(_worker, world, 240, "helix group", preload)

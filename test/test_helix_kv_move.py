@@ -11,16 +11,14 @@ scheduler sends) each rank's rows equal the logical table moved, for a bf16 pool
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from sglang_helix.testing.workers import run_workers
 
 WORLD, CHUNK, ROWS, LAYERS, HEADS, DIM = 4, 2, 16, 3, 2, 8
 
@@ -92,17 +90,4 @@ def _worker(rank, world, init_file):
 
 
 def test_move_kv_cache_across_owners():
-    mp.set_forkserver_preload(["sglang.srt.layers.helix.kv_move"])
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(WORLD, os.path.join(tmp, "init")), nprocs=WORLD, join=False,
-                                 start_method="forkserver")  # fmt: skip
-        deadline = time.monotonic() + 180
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("kv move workers ran over 180 s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
+    run_workers(_worker, WORLD, 180, "kv move", ["sglang.srt.layers.helix.kv_move"])

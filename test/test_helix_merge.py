@@ -21,8 +21,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
-import time
 import types
 from datetime import timedelta
 
@@ -35,7 +33,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from sglang.kernels.ops.attention import dcp_kernels  # noqa: E402
 from sglang.kernels.ops.attention.dcp_kernels import (  # noqa: E402
@@ -49,6 +46,7 @@ from sglang.srt.layers.dcp import comm as dcp_comm  # noqa: E402
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed  # noqa: E402
 from sglang.srt.layers.dcp.layout import localize_dcp_indices  # noqa: E402
 from sglang.srt.layers.helix.decode_state import a2a_buffer_shape, send_views  # noqa: E402
+from sglang_helix.testing.workers import run_workers  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -466,29 +464,10 @@ def _worker(rank, world, init_file, path):
 
 
 def _run(world, path, timeout_s=180.0):
-    """Start ``world`` forkserver children, wait at most ``timeout_s``; never leave one behind."""
     # Children fork from a server that has imported torch and the kernels once (a spawned child
     # would pay the imports each).
-    mp.set_forkserver_preload(["sglang.srt.layers.dcp.comm", "sglang.srt.layers.helix.decode_state"])
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _worker, args=(world, os.path.join(tmp, "init"), path), nprocs=world, join=False,
-            start_method="forkserver",
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):  # raises if a child failed
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"helix merge workers (world {world}) ran over {timeout_s}s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+    preload = ["sglang.srt.layers.dcp.comm", "sglang.srt.layers.helix.decode_state"]
+    run_workers(_worker, world, timeout_s, f"helix merge (world {world})", preload, args=(path,))
 
 
 @pytest.mark.parametrize("path", ["triton", "torch", "mixed"])
