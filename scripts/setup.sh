@@ -60,4 +60,22 @@ if ! "$VENV/bin/python" -c "import pytest, openai, psutil, tokenizers, safetenso
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
 fi
 
+# Prefill/decode disaggregation (docs/disaggregation.md): the Mooncake transfer engine and sglang-router.
+# Without a GPU the non-CUDA wheel (TCP transport); a GPU machine takes mooncake-transfer-engine (CUDA,
+# RDMA). The engine loads libibverbs / librdmacm even for TCP: Debian's libibverbs1 and librdmacm1.
+MOONCAKE_WHEEL="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+command -v nvidia-smi >/dev/null 2>&1 && MOONCAKE_WHEEL="mooncake-transfer-engine==0.3.13.post1"
+if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1" || ! ldconfig -p 2>/dev/null | grep -q "librdmacm.so.1"; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: installing libibverbs1 and librdmacm1 (the Mooncake transfer engine loads them)"
+    apt-get install -y -q libibverbs1 librdmacm1 >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 librdmacm1 >/dev/null; }
+  else
+    echo "setup.sh: prefill/decode disaggregation needs libibverbs1 and librdmacm1: run 'sudo apt-get install libibverbs1 librdmacm1'" >&2
+  fi
+fi
+if ! "$VENV/bin/python" -c "import mooncake.engine, sglang_router" 2>/dev/null; then
+  echo "setup.sh: installing $MOONCAKE_WHEEL and sglang-router==0.3.2"
+  "$VENV/bin/python" -m pip install -q "$MOONCAKE_WHEEL" "sglang-router==0.3.2"
+fi
+
 series install

@@ -295,15 +295,20 @@ UNSUPPORTED = {
         _unsupported("EAGLE3 speculation yet", "--speculative-algorithm EAGLE3",
                      "Use --speculative-algorithm EAGLE, STANDALONE or NGRAM"),
     ),
-    "pd-decode": (
-        ["--disaggregation-mode", "decode"],
-        _unsupported("prefill/decode disaggregation yet", "--disaggregation-mode decode",
-                     "Drop --disaggregation-mode"),
-    ),
-    "pd-prefill": (
+    "pd-prefill": (  # Helix is a decode server; a decode server is accepted (test_pd_decode_is_accepted)
         ["--disaggregation-mode", "prefill"],
-        _unsupported("prefill/decode disaggregation yet", "--disaggregation-mode prefill",
-                     "Drop --disaggregation-mode"),
+        _unsupported("the prefill side of prefill/decode disaggregation (Helix is a decode server)",
+                     "--disaggregation-mode prefill", "Run the prefill server with plain --tp (no --helix-kvp-size)"),
+    ),
+    "pd-decode-nixl": (
+        ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"],
+        _unsupported("the nixl KV transfer backend yet", "--disaggregation-transfer-backend nixl",
+                     "Use --disaggregation-transfer-backend mooncake"),
+    ),
+    "pd-decode-speculative": (
+        ["--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM"],
+        _unsupported("speculative decoding on a prefill/decode disaggregation decode server yet",
+                     "--speculative-algorithm NGRAM", "Drop --speculative-algorithm"),
     ),
     "lora": (
         ["--enable-lora"],
@@ -982,3 +987,9 @@ def test_speculative_draft_heads_must_fit_the_grid(model):
         f"{model(8, 1)}: each attention-TP rank holds whole KV heads, none duplicated. Use --helix-kvp-size 4, "
         "or use --helix-kvp-size 1."
     )
+
+
+def test_pd_decode_is_accepted(model):
+    """A Helix decode server of prefill/decode disaggregation over Mooncake resolves (test_helix_pd_e2e)."""
+    cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--disaggregation-mode", "decode"]))
+    assert (cfg.disaggregation_mode, cfg.disaggregation_transfer_backend, cfg.dcp_size) == ("decode", "mooncake", 2)

@@ -267,3 +267,13 @@ def test_write_rows_of_tokens_a_rank_does_not_own():
         rows = kv_layout.write_rows(locs, k, 4, 4)
         mine = rows >= 0  # -1: another rank's token, masked out of the write
         assert mine.sum() == 8 and owner_rank(locs[mine], 4, 4).eq(k).all()
+
+
+@pytest.mark.parametrize("kvp,chunk", [(2, 1), (2, 4), (4, 3)])
+def test_owner_rank_is_the_rank_that_writes_the_id(kvp, chunk):
+    from sglang.srt.layers.helix.kv_layout import owner_rank, write_rows
+
+    loc = torch.arange(0, 5 * kvp * chunk + 3)
+    owner = owner_rank(loc, kvp, chunk)
+    for rank in range(kvp):
+        assert torch.equal(write_rows(loc, rank, kvp, chunk) >= 0, owner == rank)

@@ -429,6 +429,7 @@ def upstream_branch(series: Series, checkout: Path, branch: str) -> str:
 # --------------------------------------------------------------------------------------------
 # The tests each patch brings into force, run at the prefix that ends with it (pytest arguments,
 # relative to the repository; keyed by the patch subject). The whole suite runs on the full series.
+_PD_RELAYOUT = "[DCP] PD: a GQA decode server in DCP's GQA mode takes its KV relaid out"
 PREFIX_TESTS = {
     "[DCP] GQA models replicate K/V inside the DCP group": [
         "test/test_dcp_extensions.py", "test/test_dcp_gqa.py", "-m", "not e2e", "-k", "guard or kv_partition",
@@ -509,6 +510,10 @@ PREFIX_TESTS = {
     "[Helix] EAGLE: the Llama draft head opts in as a draft": [
         "test/test_helix_args.py", "test/test_helix_spec_attention.py", "-m", "not e2e", "-k", "speculative",
     ],
+    "[CPU] Disaggregation: prefill/decode disaggregation on the CPU engine": [
+        "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
+    ],
+    _PD_RELAYOUT: ["test/test_helix_pd.py", "-m", "not e2e"],
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.
@@ -522,6 +527,7 @@ NEW_MODULE_PATCHES = {
     "sglang/srt/layers/helix/decode_state.py": _TRITON_BACKEND,
     "sglang/srt/layers/helix/attention.py": "[Helix] Attention backends: DCP's GQA mode runs the Helix attention",
     "sglang/srt/layers/helix/kv_move.py": "[Helix] KV cache: move_kv_cache moves a logical id's K/V to its target's owner",
+    "sglang/srt/disaggregation/common/dcp_gqa.py": _PD_RELAYOUT,
 }
 
 

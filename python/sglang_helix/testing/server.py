@@ -84,6 +84,7 @@ class CpuServer:
         log_dir: str | None = None,
         extra_env: dict | None = None,
         python: str = sys.executable,
+        health_path: str = "/health_generate",
     ):
         self.model_path = model_path
         self.args = list(args)
@@ -92,6 +93,8 @@ class CpuServer:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="sglang-cpu-")
         self.extra_env = dict(extra_env or {})
         self.python = python
+        # A prefill/decode disaggregation server cannot generate alone: it is ready at /health.
+        self.health_path = health_path
         self.proc: subprocess.Popen | None = None
         self.tree_pids: set[int] = set()
         self.port_retries = 0  # starts that lost their port to another process and were retried
@@ -174,7 +177,7 @@ class CpuServer:
                     + self.log_tail()
                 )
             try:
-                with urllib.request.urlopen(self.base_url + "/health_generate", timeout=60) as r:
+                with urllib.request.urlopen(self.base_url + self.health_path, timeout=60) as r:
                     if r.status == 200:
                         self._snapshot_tree()
                         return

@@ -211,7 +211,6 @@ UNSUPPORTED = {
     "prefill context parallelism": "enable_prefill_cp attn_cp_size=1",
     "pipeline parallelism yet": "pp_size=1",
     "decoupled speculative decoding yet": "decoupled_spec_role:null",
-    "prefill/decode disaggregation yet": "disaggregation_mode:null",
     "LoRA adapters yet": "enable_lora lora_paths",
     "prefix-cache extensions": "enable_hierarchical_cache enable_lmcache enable_unified_cache_external_linker "
     "radix_cache_backend enable_flexkv enable_session_radix_cache enable_streaming_session",
@@ -267,6 +266,22 @@ def check_unsupported_features(server_args: Any, cfg: Any) -> None:
         unsupported(cfg, "DP attention", given, "Drop --enable-dp-attention" if typed else "Set --attn-dp-size 1")
     if cfg.speculative_algorithm is not None:
         check_speculative(cfg)
+    check_disaggregation(cfg)
+
+
+def check_disaggregation(cfg: Any) -> None:
+    """Helix is a decode server of prefill/decode disaggregation (its KV arrives relaid out by DCP's PD
+    code, over Mooncake); a prefill server runs plain TP."""
+    mode, backend = cfg.disaggregation_mode, cfg.disaggregation_transfer_backend
+    if mode == "prefill":
+        unsupported(cfg, "the prefill side of prefill/decode disaggregation (Helix is a decode server)",
+                    ["--disaggregation-mode prefill"], "Run the prefill server with plain --tp (no --helix-kvp-size)")
+    if mode == "decode" and cfg.speculative_algorithm is not None:
+        unsupported(cfg, "speculative decoding on a prefill/decode disaggregation decode server yet",
+                    [f"--speculative-algorithm {cfg.speculative_algorithm}"], "Drop --speculative-algorithm")  # fmt: skip
+    if mode == "decode" and backend != "mooncake":
+        unsupported(cfg, f"the {backend} KV transfer backend yet", [f"--disaggregation-transfer-backend {backend}"],
+                    "Use --disaggregation-transfer-backend mooncake")  # fmt: skip
 
 
 def check_speculative(cfg: Any) -> None:

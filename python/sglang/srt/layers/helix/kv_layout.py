@@ -28,6 +28,11 @@ def write_rows(out_cache_loc: torch.Tensor, kvp_rank: int, kvp_size: int, chunk:
     return localize_dcp_indices(out_cache_loc.to(torch.int64), kvp_size, kvp_rank, interleave_size=chunk)
 
 
+def owner_rank(loc: torch.Tensor, kvp_size: int, chunk: int) -> torch.Tensor:
+    """``[*]`` the KVP rank that stores each logical id (DCP's ownership at ``interleave_size = chunk``)."""
+    return (loc.to(torch.int64) // chunk) % kvp_size
+
+
 def local_kv_lens(seq_lens, kvp_rank: int, kvp_size: int, chunk: int, start=None) -> torch.Tensor:
     """``[B]`` how many positions of ``[start, start + seq_lens)`` (default ``[0, seq_lens)``) this rank owns."""
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int64)

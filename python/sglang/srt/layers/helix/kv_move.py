@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang.srt.layers.helix.kv_layout import write_rows
+from sglang.srt.layers.helix.kv_layout import owner_rank, write_rows
 from sglang.srt.runtime_context import get_parallel
 
 
@@ -32,7 +32,7 @@ def move_kv_cache_by_owner(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -
     local.masked_fill_((src_rows < 0).view(-1, 1, 1, 1), 0)
     gathered = local.new_empty((n,) + local.shape)  # [KVP, M, 2L, K/TPA, D']
     group.all_gather_into_tensor(gathered.view(-1, *local.shape[1:]), local)
-    owner = (src_loc.to(torch.int64) // c) % n  # [M]
+    owner = owner_rank(src_loc, n, c)  # [M]
     moved = gathered[owner, torch.arange(owner.shape[0], device=owner.device)]  # [M, 2L, K/TPA, D']
     for i, b in enumerate(buffers):
         b[tgt_rows] = moved[:, i].view(b.dtype)

@@ -1,0 +1,210 @@
+"""Helix decode in prefill/decode disaggregation: the relayout of a plain-TP prefill's KV into a
+``--tp N --helix-kvp-size KVP`` decode server's shards (DCP's PD code, ``dcp_gqa``).
+
+Unit tests (no server): the transfer plan with an interleave (against a brute force and, at
+interleave 1, upstream's own formula), the rank mapping (every decode rank's head slice covered
+exactly once by what its prefill ranks send; every prefill rank waits for exactly the decode ranks
+that read it), and a whole simulated transfer -- P prefill pools, N decode pools in byte arrays,
+moved by ``head_slice_blocks`` over ``build_dcp_token_transfer_plan`` in chunks -- against Helix's
+own layout (``kv_layout.write_rows``: what the decode would have written had it run the prefill).
+The end-to-end tests (``test_helix_pd_e2e``) start the real servers and the router.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_helix.testing.cpu_env import STUB_DIR
+
+if STUB_DIR not in sys.path:
+    sys.path.insert(0, STUB_DIR)
+
+from sglang.srt.disaggregation.common import dcp_gqa  # noqa: E402
+from sglang.srt.disaggregation.common.utils import build_dcp_token_transfer_plan  # noqa: E402
+from sglang.srt.layers.helix.kv_layout import write_rows  # noqa: E402
+
+
+def _upstream_target_rows(src_pages, dst_pages, S, D, rank, src_page_offset, decode_prefix_len, n):
+    """0.5.23's formula (interleave 1), verbatim in numpy: the reference the interleave keeps."""
+    chunk_start = decode_prefix_len + src_page_offset * S
+    offsets = np.arange((rank - chunk_start) % D, n, D, dtype=np.int64)
+    local = (src_page_offset * S + offsets) // D
+    return src_pages[offsets // S] * S + offsets % S, dst_pages[local // S] * S + local % S
+
+
+@pytest.mark.parametrize("S,D,interleave", [(4, 2, 1), (4, 4, 1), (8, 2, 1), (4, 2, 4), (4, 4, 4), (8, 2, 8), (8, 4, 2)])
+def test_plan_places_each_token_on_its_owner_row(S, D, interleave):
+    rng = np.random.default_rng(S * 100 + D * 10 + interleave)
+    for _ in range(20):
+        n_pages = int(rng.integers(1, 12))
+        src_pages = rng.permutation(64)[:n_pages].astype(np.int64)
+        virtual = S * D
+        decode_prefix_len = int(rng.integers(0, 3)) * virtual
+        src_page_offset = int(rng.integers(0, 4))
+        n = int(rng.integers(1, n_pages * S + 1))  # the last page partial
+        dst_pages = rng.permutation(64)[: (src_page_offset * S + n) // virtual + 2].astype(np.int64)
+        for rank in range(D):
+            plan = build_dcp_token_transfer_plan(
+                src_pages, dst_pages, physical_page_size=S, dcp_size=D, dcp_rank=rank,
+                src_page_offset=src_page_offset, decode_prefix_len=decode_prefix_len, num_kv_tokens=n,
+                interleave_size=interleave,
+            )  # fmt: skip
+            want_src, want_dst = [], []
+            for o in range(n):  # brute force: token o of this chunk
+                q = src_page_offset * S + o  # its position past decode_prefix_len
+                if (q // interleave) % D != rank:
+                    continue
+                local = q // (interleave * D) * interleave + q % interleave
+                want_src.append(src_pages[o // S] * S + o % S)
+                want_dst.append(dst_pages[local // S] * S + local % S)
+            assert plan.target_src_token_indices.tolist() == want_src
+            assert plan.target_dst_token_indices.tolist() == want_dst
+            if interleave == 1:
+                up_src, up_dst = _upstream_target_rows(src_pages, dst_pages, S, D, rank, src_page_offset, decode_prefix_len, n)
+                assert plan.target_src_token_indices.tolist() == up_src.tolist()
+                assert plan.target_dst_token_indices.tolist() == up_dst.tolist()
+
+
+LAYOUTS = [  # (prefill P, decode N, KVP, K)
+    (p, n, kvp, k)
+    for n, kvp, k in [(4, 2, 4), (4, 4, 4), (4, 2, 2), (8, 2, 4), (8, 4, 8), (4, 4, 1), (8, 8, 2)]
+    for p in (1, 2, 4, 8)
+    if (n // kvp) <= k
+]
+
+
+def _prefill_heads(p_rank, P, K):
+    """The heads a plain --tp P prefill rank holds (one replicated head where P > K)."""
+    if P <= K:
+        return list(range(p_rank * K // P, (p_rank + 1) * K // P))
+    return [p_rank // (P // K)]
+
+
+@pytest.mark.parametrize("P,N,KVP,K", LAYOUTS)
+def test_rank_mapping_covers_each_head_slice_once(P, N, KVP, K):
+    head_bytes = 3
+    readers = {r: 0 for r in range(P)}
+    for d in range(N):
+        ranks, dst_info, responses = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P)
+        assert responses == len(ranks)
+        head_rank, tpa = dcp_gqa.decode_head_rank(d, N, KVP)
+        want = list(range(head_rank * K // tpa, (head_rank + 1) * K // tpa))
+        got = [None] * (len(want) * head_bytes)
+        for r in ranks:
+            readers[r] += 1
+            src = _prefill_heads(r, P, K)
+            cut = dcp_gqa.token_slice(len(src) * head_bytes, r, P, len(want) * head_bytes, head_rank, tpa)
+            assert cut is not None
+            src_bytes = [(h, b) for h in src for b in range(head_bytes)]
+            for i in range(cut.copy_bytes):
+                got[cut.dst_offset + i] = src_bytes[cut.src_offset + i]
+        assert got == [(h, b) for h in want for b in range(head_bytes)], (d, ranks)
+    for r in range(P):  # each prefill rank waits for exactly the decode ranks that read it
+        expect = dcp_gqa.prefill_ranks_for_decode(next(d for d in range(N) if r in dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P)[0]), N, KVP, P)[1]
+        assert readers[r] == expect
+
+
+def test_rank_mapping_refuses_sizes_that_do_not_divide():
+    with pytest.raises(ValueError, match="--tp 3"):
+        dcp_gqa.prefill_ranks_for_decode(0, 4, 2, 3)
+
+
+def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2, n_layers=2, seed=0):
+    """A prefill of ``prompt_len`` tokens sent in ``chunks`` (token counts, page multiples but the
+    last) to every decode rank; returns (decode pools, expected decode pools)."""
+    rng = np.random.default_rng(seed)
+    kv = rng.integers(0, 256, size=(n_layers, 2, prompt_len + decode_prefix_len, K, D_head), dtype=np.uint8)
+    # prefill pools: per rank, per entry (layer K, layer V) [rows, heads_p, D_head]; random pages
+    n_src_pages = 64
+    src_pages = rng.permutation(n_src_pages)[: -(-prompt_len // S)].astype(np.int64)
+    src_pools = []
+    for r in range(P):
+        heads = _prefill_heads(r, P, K)
+        pool = np.zeros((n_layers * 2, n_src_pages * S, len(heads), D_head), np.uint8)
+        for t in range(prompt_len):
+            row = src_pages[t // S] * S + t % S
+            for layer, kv_i in itertools.product(range(n_layers), range(2)):
+                pool[layer * 2 + kv_i, row] = kv[layer, kv_i, decode_prefix_len + t, heads]
+        src_pools.append(pool)
+    # decode: logical ids in virtual pages of S * KVP, the same on every rank
+    virtual = S * KVP
+    total = decode_prefix_len + prompt_len
+    dst_pages = rng.permutation(32)[: -(-total // virtual)].astype(np.int64)
+    locs = torch.tensor([dst_pages[t // virtual] * virtual + t % virtual for t in range(total)])
+    tpa = N // KVP
+    dst_pools, want_pools = [], []
+    for d in range(N):
+        head_rank, kvp_rank = d // KVP, d % KVP
+        heads = list(range(head_rank * K // tpa, (head_rank + 1) * K // tpa))
+        rows = 32 * S
+        dst, want = (np.zeros((n_layers * 2, rows, len(heads), D_head), np.uint8) for _ in range(2))
+        owned_rows = write_rows(locs, kvp_rank, KVP, S)  # Helix's own layout: the oracle
+        for t in range(decode_prefix_len, total):
+            if owned_rows[t] >= 0:
+                for layer, kv_i in itertools.product(range(n_layers), range(2)):
+                    want[layer * 2 + kv_i, owned_rows[t]] = kv[layer, kv_i, t, heads]
+        dst_pools.append(dst)
+        want_pools.append(want)
+    # the transfer: each decode rank from its prefill ranks, chunk by chunk
+    dst_prefix_pages = decode_prefix_len // virtual
+    for d in range(N):
+        ranks, _, _ = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P)
+        for r in ranks:
+            src, dst = src_pools[r], dst_pools[d]
+            src_item = [src[0, :S].nbytes] * (n_layers * 2)
+            dst_item = [dst[0, :S].nbytes] * (n_layers * 2)
+            src_base = [src[e].__array_interface__["data"][0] - src.__array_interface__["data"][0] for e in range(n_layers * 2)]
+            dst_base = [dst[e].__array_interface__["data"][0] - dst.__array_interface__["data"][0] for e in range(n_layers * 2)]
+            start = 0
+            for size in chunks:
+                page_offset = start // S
+                plan = build_dcp_token_transfer_plan(
+                    src_pages[page_offset : page_offset + -(-size // S)], dst_pages[dst_prefix_pages:],
+                    physical_page_size=S, dcp_size=KVP, dcp_rank=d % KVP, src_page_offset=page_offset,
+                    decode_prefix_len=decode_prefix_len, num_kv_tokens=size, interleave_size=S,
+                )  # fmt: skip
+                blocks = dcp_gqa.head_slice_blocks(
+                    src_base, src_item, dst_base, dst_item, S, plan.target_src_token_indices,
+                    plan.target_dst_token_indices, src_tp_rank=r, src_attn_tp_size=P, dst_tp_rank=d,
+                    dst_attn_tp_size=N, dst_dcp_size=KVP,
+                )  # fmt: skip
+                src_bytes, dst_bytes = src.reshape(-1), dst.reshape(-1)
+                for s_addr, d_addr, length in blocks:
+                    dst_bytes[d_addr : d_addr + length] = src_bytes[s_addr : s_addr + length]
+                start += size
+            assert start == prompt_len
+    return dst_pools, want_pools
+
+
+CASES = [  # (name, prompt_len, chunks, decode_prefix_len) at page S = 4
+    ("last_chunk_partial", 37, [16, 16, 5], 0),
+    ("shorter_than_a_chunk", 3, [3], 0),
+    ("ends_on_a_page", 32, [32], 0),
+    ("one_chunk", 21, [21], 0),
+    ("past_a_decode_prefix", 19, [8, 11], 16),
+]
+
+
+@pytest.mark.parametrize("P,N,KVP,K", [c for c in LAYOUTS if c[1] == 4 and c[0] <= 4] + [(8, 8, 2, 4), (8, 4, 2, 2)])
+@pytest.mark.parametrize("name,prompt_len,chunks,decode_prefix_len", CASES, ids=[c[0] for c in CASES])
+def test_relayout_fills_each_decode_rank_as_helix_would(P, N, KVP, K, name, prompt_len, chunks, decode_prefix_len):
+    got, want = _simulate(P, N, KVP, K, 4, prompt_len, chunks, decode_prefix_len, seed=prompt_len + P)
+    for d in range(N):
+        np.testing.assert_array_equal(got[d], want[d], err_msg=f"decode rank {d}")
+
+
+def test_whole_token_slices_move_in_runs():
+    """P == TPA: a rank's owned tokens go as one block per run of the interleave, not per token."""
+    plan = build_dcp_token_transfer_plan(
+        np.arange(8), np.arange(4), physical_page_size=4, dcp_size=2, dcp_rank=1, num_kv_tokens=32, interleave_size=4
+    )
+    blocks = dcp_gqa.head_slice_blocks(
+        [0], [64], [0], [64], 4, plan.target_src_token_indices, plan.target_dst_token_indices,
+        src_tp_rank=1, src_attn_tp_size=2, dst_tp_rank=2, dst_attn_tp_size=4, dst_dcp_size=2,
+    )  # fmt: skip
+    assert [b[2] for b in blocks] == [64] * 4  # four runs of four 16-byte tokens

@@ -1,0 +1,169 @@
+"""Helix decode behind sglang-router: a plain ``--tp P`` prefill server hands its KV over Mooncake
+(TCP) to a ``--tp 4 --helix-kvp-size KVP`` decode server, and the pair serves a colocated plain
+``--tp 4`` server's greedy tokens (logprobs within the e2e tolerance) for batched, streamed and chat
+requests, a ~300-token prompt sent twice (the second a prefix-cache hit on the prefill), and 8
+concurrent clients. Every decode rank checks its own KV pool whenever it is idle (upstream's strict
+idle check: available + evictable == total, on by default; ``kv_checks.DEBUG_ENV`` adds the
+allocator's double-free checks): none fires, the server is up, and rank 0 ends with no token in use.
+
+The default run: prefill ``--tp 2`` into KVP 2 (each decode rank takes the prefill rank's whole
+tokens, its own chunks); ``HELIX_TEST_FULL=1`` adds P in {1, 2, 4} x KVP in {2, 4} (a head
+sub-slice of one prefill rank, or parts from several).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import FULL, GQA, KV2, plain_tp_reference, run_workload
+from sglang_helix.testing import kv_checks
+from sglang_helix.testing.openai_probe import (
+    LOGPROB_ATOL,
+    assert_same_generation,
+    assert_same_probe,
+    concurrent_waves,
+    long_completion,
+    probe,
+)
+from sglang_helix.testing.pd import PDCluster, mooncake_available
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not mooncake_available(), reason="the Mooncake transfer engine: bash scripts/setup.sh"),
+]
+CHUNK = 4  # --helix-kvp-chunk-size, and so the page size of both servers
+CACHED_RE = re.compile(r"#cached-token: (\d+)")
+CASES = [  # (prefill tp, decode kvp, default run, model): K = 4 KV heads; KV2 (K = 2) at P = 4
+    (2, 2, True, GQA), (1, 2, False, GQA), (4, 2, False, GQA), (1, 4, False, GQA), (2, 4, False, GQA),
+    (4, 4, False, GQA), (4, 2, False, KV2),  # the last: each prefill rank a replicated head
+]
+
+
+@pytest.mark.parametrize(
+    "prefill_tp,kvp,spec",
+    [pytest.param(p, k, m, id=f"p{p}-kvp{k}" + ("-k2" if m is KV2 else ""), marks=() if d else FULL)
+     for p, k, d, m in CASES],
+)  # fmt: skip
+def test_helix_decode_behind_router_serves_plain_tp_tokens(prefill_tp, kvp, spec, model_dir, server_log_dir):
+    path = model_dir(spec)
+    ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, plain_tp_reference)
+    decode_args = ["--tp", "4", "--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(CHUNK)]
+    with PDCluster(
+        path, ["--tp", str(prefill_tp)], decode_args, server_log_dir, page_size=CHUNK, decode_env=kv_checks.DEBUG_ENV
+    ) as pd:
+        got = probe(pd.url)
+        long_first, long_again = long_completion(pd.url), long_completion(pd.url)
+        waves = concurrent_waves(pd.url, sizes=(8,))
+        idle = kv_checks.wait_idle(pd.decode.base_url)
+        time.sleep(2)  # every rank idles and checks its pool (a failed check takes the server down)
+        alive = pd.decode.proc.poll() is None
+        decode_log, prefill_log = pd.decode.log_text(), pd.prefill.log_text()
+    what = f"PD --tp {prefill_tp} -> --tp 4 --helix-kvp-size {kvp}"
+    assert_same_probe(ref["probe"], got, LOGPROB_ATOL, what)
+    assert_same_generation(ref["long"], long_first, LOGPROB_ATOL, f"{what} long prompt")
+    assert_same_generation(ref["long"], long_again, LOGPROB_ATOL, f"{what} long prompt, prefix hit")
+    for i, gen in waves[8]:
+        assert_same_generation(ref["singles"][i], gen, LOGPROB_ATOL, f"{what} concurrent prompt {i}")
+    assert max(int(n) for n in CACHED_RE.findall(prefill_log)) >= 256, "the repeated long prompt missed the prefill's prefix cache"
+    assert not kv_checks.fired_checks(decode_log), kv_checks.fired_checks(decode_log)[:5]
+    assert alive and idle["num_used_tokens"] == 0
+
+
+def test_plain_pd_pair_on_the_cpu_engine(model_dir, server_log_dir):
+    """Upstream PD on the CPU engine (the [CPU] disaggregation patch): a plain --tp 1 -> --tp 1 pair
+    with the default decode retraction backup serves the colocated tokens; the repeated prompt takes
+    the cached-prefix early send."""
+    path = model_dir(GQA)
+    ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, plain_tp_reference)
+    with PDCluster(path, ["--tp", "1"], ["--tp", "1"], server_log_dir, page_size=CHUNK) as pd:
+        got = probe(pd.url)
+        long_first, long_again = long_completion(pd.url), long_completion(pd.url)
+        prefill_log = pd.prefill.log_text()
+    assert_same_probe(ref["probe"], got, LOGPROB_ATOL, "plain PD --tp 1 -> --tp 1")
+    assert_same_generation(ref["long"], long_first, LOGPROB_ATOL, "plain PD long prompt")
+    assert_same_generation(ref["long"], long_again, LOGPROB_ATOL, "plain PD long prompt, prefix hit")
+    assert max(int(n) for n in CACHED_RE.findall(prefill_log)) >= 256
+
+
+def _generate(url: str, input_ids: list, max_new_tokens: int, timeout: float = 900, stream: bool = False):
+    body = {"input_ids": input_ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def _output_ids(url: str, input_ids: list, max_new_tokens: int) -> list:
+    with _generate(url, input_ids, max_new_tokens) as r:
+        return json.loads(r.read())["output_ids"]
+
+
+def _assert_decode_pool_back(pd: PDCluster, what: str) -> None:
+    """Every decode rank's pool back to its start: rank 0 idle with no token in use, every rank's
+    idle check passed (a failed one takes the server down) and no allocator check fired."""
+    idle = kv_checks.wait_idle(pd.decode.base_url, timeout=300)
+    time.sleep(2)
+    assert pd.decode.proc.poll() is None, f"{what}: the decode server died\n{pd.decode.log_tail()}"
+    assert idle["num_used_tokens"] == 0, (what, idle)
+    fired = kv_checks.fired_checks(pd.decode.log_text())
+    assert not fired, (what, fired[:5])
+
+
+@FULL
+def test_helix_decode_survives_aborts_a_full_pool_and_a_dead_prefill(model_dir, server_log_dir):
+    """A client gone mid-transfer and mid-decode, more requests than the decode pool holds at once
+    (queued, all answered, the answers of each alone), then the prefill server killed mid-transfer
+    (the request fails, the decode frees what it reserved): after each every decode rank's pool is
+    back to its start."""
+    path = model_dir(GQA)
+    rng = random.Random(7)
+    long_ids = [rng.randrange(10, 400) for _ in range(6000)]
+    prompts = [[rng.randrange(10, 400) for _ in range(1500)] for _ in range(3)]
+    decode_args = ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", str(CHUNK),
+                   "--max-total-tokens", "4096", "--chunked-prefill-size", "512"]  # fmt: skip
+    prefill_args = ["--tp", "2", "--chunked-prefill-size", "512", "--max-total-tokens", "16384"]
+    env = {**kv_checks.DEBUG_ENV, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2"}
+    with PDCluster(path, prefill_args, decode_args, server_log_dir, page_size=CHUNK, decode_env=env) as pd:
+        # 1. mid-decode: read a few streamed tokens, then hang up
+        with _generate(pd.url, prompts[0], 400, stream=True) as r:
+            for _ in range(4):
+                r.readline()
+        _assert_decode_pool_back(pd, "client gone mid-decode")
+        # 2. mid-transfer: hang up long before a 6000-token prefill has been sent
+        with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
+            _generate(pd.url, long_ids, 8, timeout=1.0).read()
+        time.sleep(20)  # the prefill finishes or drops it; the decode side follows
+        _assert_decode_pool_back(pd, "client gone mid-transfer")
+        # 3. three requests of ~1.6K tokens against a 4096-token decode pool: at most two at once
+        alone = [_output_ids(pd.url, ids, 64) for ids in prompts]
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda ids: _output_ids(pd.url, ids, 64), prompts))
+        assert together == alone
+        _assert_decode_pool_back(pd, "a full decode pool")
+        # 4. the prefill server killed while it sends a long prompt's KV
+        failed = {}
+
+        def send():
+            try:
+                _output_ids(pd.url, long_ids, 8)
+            except Exception as e:  # noqa: BLE001 - any error answer is the point
+                failed["error"] = e
+
+        client = threading.Thread(target=send)
+        client.start()
+        time.sleep(1.5)
+        os.killpg(pd.prefill.proc.pid, signal.SIGKILL)
+        client.join(timeout=600)
+        assert not client.is_alive(), "the request never finished after the prefill server died"
+        assert "error" in failed, "a request whose prefill server died was answered"
+        _assert_decode_pool_back(pd, "prefill killed mid-transfer")
