@@ -208,3 +208,24 @@ def test_whole_token_slices_move_in_runs():
         src_tp_rank=1, src_attn_tp_size=2, dst_tp_rank=2, dst_attn_tp_size=4, dst_dcp_size=2,
     )  # fmt: skip
     assert [b[2] for b in blocks] == [64] * 4  # four runs of four 16-byte tokens
+
+
+@pytest.mark.parametrize("P,N,KVP,K", LAYOUTS)
+def test_layout_check_accepts_every_served_layout(P, N, KVP, K):
+    head = 32  # bytes of one head of one token
+    src = len(_prefill_heads(0, P, K)) * head
+    dst = K // (N // KVP) * head
+    S = 4
+    assert dcp_gqa.layout_mismatch([src * S] * 4, [dst * S] * 4, S, P, N, KVP, replicated_heads=True) is None
+    if P <= K:  # no replica: the CPU engine serves it too
+        assert dcp_gqa.layout_mismatch([src * S] * 4, [dst * S] * 4, S, P, N, KVP, replicated_heads=False) is None
+
+
+def test_layout_check_refuses_a_cpu_prefill_that_padded_its_heads():
+    """--tp 4 prefill of a K = 2 model on the CPU engine: 4 padded heads, one a rank; the decode's
+    two head slices hold the model's 2 heads."""
+    head, S = 32, 4
+    why = dcp_gqa.layout_mismatch([head * S] * 4, [head * S] * 4, S, 4, 4, 2, replicated_heads=False)
+    assert why is not None and "--tp 4" in why and "divides the model's KV heads" in why
+    assert dcp_gqa.layout_mismatch([head * S] * 4, [head * S] * 4, S, 4, 4, 2, replicated_heads=True) is None
+    assert "KV buffers" in dcp_gqa.layout_mismatch([head * S] * 4, [head * S] * 2, S, 2, 4, 2, replicated_heads=True)

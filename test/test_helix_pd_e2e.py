@@ -44,10 +44,13 @@ pytestmark = [
 ]
 CHUNK = 4  # --helix-kvp-chunk-size, and so the page size of both servers
 CACHED_RE = re.compile(r"#cached-token: (\d+)")
-CASES = [  # (prefill tp, decode kvp, default run, model): K = 4 KV heads; KV2 (K = 2) at P = 4
+CASES = [  # (prefill tp, decode kvp, default run, model): K = 4 KV heads
     (2, 2, True, GQA), (1, 2, False, GQA), (4, 2, False, GQA), (1, 4, False, GQA), (2, 4, False, GQA),
-    (4, 4, False, GQA), (4, 2, False, KV2),  # the last: each prefill rank a replicated head
+    (4, 4, False, GQA),
 ]
+# Not here: a prefill --tp P > K. On a GPU its ranks replicate heads, which the relayout reads
+# (test_helix_pd.py); the CPU engine pads the KV heads instead (adjust_config_with_unaligned_cpu_tp),
+# a layout no decode shares, and the decode refuses the pair (docs/disaggregation.md).
 
 
 @pytest.mark.parametrize(
@@ -80,6 +83,7 @@ def test_helix_decode_behind_router_serves_plain_tp_tokens(prefill_tp, kvp, spec
     assert alive and idle["num_used_tokens"] == 0
 
 
+@FULL  # the default run's Helix pair has a plain CPU-engine prefill too; this adds a plain decode
 def test_plain_pd_pair_on_the_cpu_engine(model_dir, server_log_dir):
     """Upstream PD on the CPU engine (the [CPU] disaggregation patch): a plain --tp 1 -> --tp 1 pair
     with the default decode retraction backup serves the colocated tokens; the repeated prompt takes
@@ -167,3 +171,31 @@ def test_helix_decode_survives_aborts_a_full_pool_and_a_dead_prefill(model_dir, 
         assert not client.is_alive(), "the request never finished after the prefill server died"
         assert "error" in failed, "a request whose prefill server died was answered"
         _assert_decode_pool_back(pd, "prefill killed mid-transfer")
+
+
+@FULL
+def test_a_prefill_layout_the_decode_cannot_hold_fails_its_requests(model_dir, server_log_dir):
+    """A K = 2 model prefilled at --tp 4 on the CPU engine (which pads the KV heads to 4 rather than
+    replicating them) into --tp 4 --helix-kvp-size 2: the prefill rejects the decode's layout at
+    registration, so the request fails with an error (no wrong tokens) and the decode stays up."""
+    path = model_dir(KV2)
+    decode_args = ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", str(CHUNK)]
+    pd = PDCluster(path, ["--tp", "4"], decode_args, server_log_dir, page_size=CHUNK)
+    try:
+        pd.start(wait_generate=False)
+        deadline, answer = time.monotonic() + 600, None
+        while answer is None:
+            assert time.monotonic() < deadline, "no answer from the router"
+            try:
+                answer = _output_ids(pd.url, [11, 12, 13, 14, 15, 16], 4)
+            except urllib.error.HTTPError as e:
+                if e.code != 503:  # 503: the router has not admitted the workers yet
+                    answer = e
+            except (urllib.error.URLError, ConnectionError):
+                pass  # the router is not listening yet
+            time.sleep(1)
+        assert isinstance(answer, urllib.error.HTTPError), f"answered {answer}"
+        assert "divides the model's KV heads" in pd.prefill.log_text()
+        assert pd.decode.proc.poll() is None and pd.prefill.proc.poll() is None
+    finally:
+        pd.stop()

@@ -58,7 +58,7 @@ class PDCluster:
             "--host", "127.0.0.1", "--port", str(self.router_port),
         ]  # fmt: skip
 
-    def start(self) -> "PDCluster":
+    def start(self, wait_generate: bool = True) -> "PDCluster":
         try:
             self.prefill.launch()
             self.decode.launch()
@@ -69,7 +69,8 @@ class PDCluster:
                 self.router_command(), stdout=self.router_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )  # fmt: skip
-            self._wait_router()
+            if wait_generate:
+                self._wait_router()
         except BaseException:
             self.stop()
             raise

@@ -146,3 +146,34 @@ def head_slice_blocks(
         token_slice(s, src_tp_rank, src_attn_tp_size, d, head_rank, head_tp) for s, d in zip(src_bytes, dst_bytes)
     ]
     return transfer_blocks(src_ptrs, dst_ptrs, src_bytes, dst_bytes, cuts, src_tokens, dst_tokens)
+
+
+def layout_mismatch(
+    src_item_lens: Sequence[int],
+    dst_item_lens: Sequence[int],
+    page_size: int,
+    src_attn_tp_size: int,
+    dst_attn_tp_size: int,
+    dst_dcp_size: int,
+    replicated_heads: bool,
+) -> Optional[str]:
+    """Why a prefill's K/V token items cannot fill a GQA DCP decode's head slices, or None. All of a
+    model's heads span the same bytes on both sides, unless the prefill replicates heads (``P > K``
+    on a GPU: ``replicated_heads``; the CPU engine pads a model's KV heads to a multiple of ``P``
+    instead, a layout no decode shares)."""
+    tpa = dst_attn_tp_size // dst_dcp_size
+    if len(src_item_lens) != len(dst_item_lens):
+        return f"the decode registered {len(dst_item_lens)} KV buffers, the prefill has {len(src_item_lens)}"
+    for s, d in zip(src_item_lens, dst_item_lens):
+        s, d = s // page_size, d // page_size
+        src_span, dst_span = s * src_attn_tp_size, d * tpa
+        if src_span == dst_span or (replicated_heads and src_span > dst_span and src_span % dst_span == 0):
+            continue
+        return (
+            f"PD decode DCP (GQA): a prefill --tp {src_attn_tp_size} rank holds {s} bytes of each token's K "
+            f"(or V), {src_span} over its TP group, but the decode's {tpa} head slices (--tp {dst_attn_tp_size} "
+            f"/ --dcp-size {dst_dcp_size}) hold {dst_span}"
+            + ("" if replicated_heads else "; the CPU engine pads the KV heads of a prefill whose --tp does "
+               "not divide them: use a prefill --tp that divides the model's KV heads")
+        )  # fmt: skip
+    return None
