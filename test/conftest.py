@@ -117,6 +117,7 @@ def run_workload(model_path: str, args: list, backend: str, log_dir: str, worklo
 
 def plain_tp_reference(base_url):
     """What every layout is compared with: the probe, the long prompt, one answer per wave prompt."""
-    from sglang_helix.testing.openai_probe import long_completion, probe, single_completions
+    from sglang_helix.testing.openai_probe import long_completion, probe, single_completions, sized_completions
 
-    return {"probe": probe(base_url), "long": long_completion(base_url), "singles": single_completions(base_url)}
+    return {"probe": probe(base_url), "long": long_completion(base_url), "singles": single_completions(base_url),
+            "sized": sized_completions(base_url)}  # fmt: skip

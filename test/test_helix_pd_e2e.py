@@ -1,8 +1,9 @@
 """Helix decode behind sglang-router: a plain ``--tp P`` prefill server hands its KV over Mooncake
 (TCP) to a ``--tp 4 --helix-kvp-size KVP`` decode server, and the pair serves a colocated plain
 ``--tp 4`` server's greedy tokens (logprobs within the e2e tolerance) for batched, streamed and chat
-requests, a ~300-token prompt sent twice (the second a prefix-cache hit on the prefill), and 8
-concurrent clients. Every decode rank checks its own KV pool whenever it is idle (upstream's strict
+requests, a ~300-token prompt sent twice (the second a prefix-cache hit on the prefill), prompts
+of 3, 8, 16 and 21 tokens (shorter than a chunk, ending on a page, past one), and 8 concurrent
+clients. Every decode rank checks its own KV pool whenever it is idle (upstream's strict
 idle check: available + evictable == total, on by default; ``kv_checks.DEBUG_ENV`` adds the
 allocator's double-free checks): none fires, the server is up, and rank 0 ends with no token in use.
 
@@ -35,6 +36,7 @@ from sglang_helix.testing.openai_probe import (
     concurrent_waves,
     long_completion,
     probe,
+    sized_completions,
 )
 from sglang_helix.testing.pd import PDCluster, mooncake_available
 
@@ -68,6 +70,7 @@ def test_helix_decode_behind_router_serves_plain_tp_tokens(prefill_tp, kvp, spec
         got = probe(pd.url)
         long_first, long_again = long_completion(pd.url), long_completion(pd.url)
         waves = concurrent_waves(pd.url, sizes=(8,))
+        sized = sized_completions(pd.url)
         idle = kv_checks.wait_idle(pd.decode.base_url)
         time.sleep(2)  # every rank idles and checks its pool (a failed check takes the server down)
         alive = pd.decode.proc.poll() is None
@@ -76,6 +79,8 @@ def test_helix_decode_behind_router_serves_plain_tp_tokens(prefill_tp, kvp, spec
     assert_same_probe(ref["probe"], got, LOGPROB_ATOL, what)
     assert_same_generation(ref["long"], long_first, LOGPROB_ATOL, f"{what} long prompt")
     assert_same_generation(ref["long"], long_again, LOGPROB_ATOL, f"{what} long prompt, prefix hit")
+    for n, r, g in zip((3, 8, 16, 21), ref["sized"], sized):  # chunk and page edges
+        assert_same_generation(r, g, LOGPROB_ATOL, f"{what} a {n}-token prompt")
     for i, gen in waves[8]:
         assert_same_generation(ref["singles"][i], gen, LOGPROB_ATOL, f"{what} concurrent prompt {i}")
     assert max(int(n) for n in CACHED_RE.findall(prefill_log)) >= 256, "the repeated long prompt missed the prefill's prefix cache"
@@ -199,3 +204,25 @@ def test_a_prefill_layout_the_decode_cannot_hold_fails_its_requests(model_dir, s
         assert pd.decode.proc.poll() is None and pd.prefill.proc.poll() is None
     finally:
         pd.stop()
+
+
+LONG_IDS = [(13 * i + 5) % 400 + 10 for i in range(6000)]
+
+
+def long_ids_completion(base_url: str):
+    from sglang_helix.testing.openai_probe import generate_ids
+
+    return generate_ids(base_url, LONG_IDS, 8)
+
+
+@FULL
+def test_a_long_prompt_in_head_sub_slices(model_dir, server_log_dir):
+    """A 6000-token prompt from a --tp 1 prefill into --tp 4 --helix-kvp-size 2: each decode rank
+    takes half of every token's heads, a transfer block per token (12K blocks a rank, sent in
+    batches): the colocated server's tokens."""
+    path = model_dir(GQA)
+    ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, long_ids_completion)
+    decode_args = ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", str(CHUNK)]
+    with PDCluster(path, ["--tp", "1"], decode_args, server_log_dir, page_size=CHUNK) as pd:
+        got = long_ids_completion(pd.url)
+    assert_same_generation(ref, got, LOGPROB_ATOL, "PD --tp 1 -> --tp 4 --helix-kvp-size 2, 6000 tokens")

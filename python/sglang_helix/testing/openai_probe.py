@@ -173,6 +173,30 @@ def long_completion(base_url: str, max_tokens: int = 16) -> Generation:
     return completions(_client(base_url), [LONG_PROMPT], max_tokens=max_tokens)[0]
 
 
+# Prompts of exact token counts (ids, no tokenizer in between): shorter than a 4-token ownership
+# chunk, one 8-token Helix page (chunk 4 x KVP 2), two pages (one at KVP 4), and one past a page.
+SIZED_PROMPTS = [[(7 * i + 3 * n) % 400 + 10 for i in range(n)] for n in (3, 8, 16, 21)]
+
+
+def generate_ids(base_url: str, input_ids: list, max_tokens: int = 8) -> Generation:
+    """One greedy ``/generate`` of token ids (sglang-router's OpenAI routes take text prompts only)."""
+    import json
+    import urllib.request
+
+    body = {"input_ids": input_ids, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    req = urllib.request.Request(base_url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=900) as r:
+        meta = json.loads(r.read())["meta_info"]
+    steps = meta["output_token_logprobs"]  # [(logprob, token id, text)]
+    top2 = [sorted((x[0] for x in step), reverse=True)[:2] for step in meta["output_top_logprobs"]]
+    return Generation("", [str(t[1]) for t in steps], [t[0] for t in steps], top2)
+
+
+def sized_completions(base_url: str, max_tokens: int = 8) -> list[Generation]:
+    return [generate_ids(base_url, ids, max_tokens) for ids in SIZED_PROMPTS]
+
+
 def single_completions(base_url: str, prompts=WAVE_PROMPTS, max_tokens: int = 4) -> list[Generation]:
     """Reference answers, one per distinct prompt (greedy answers do not depend on batching)."""
     return completions(_client(base_url), list(prompts), max_tokens=max_tokens)

@@ -56,6 +56,9 @@ class PDCluster:
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", self.prefill.base_url, str(self.bootstrap_port), "--decode", self.decode.base_url,
             "--host", "127.0.0.1", "--port", str(self.router_port),
+            # A long prefill on a few CPU cores can starve a server's /health past the router's
+            # default timeout, and the router then drops the worker mid-request.
+            "--health-check-timeout-secs", "60", "--health-failure-threshold", "5",
         ]  # fmt: skip
 
     def start(self, wait_generate: bool = True) -> "PDCluster":
