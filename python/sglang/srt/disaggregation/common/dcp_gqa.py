@@ -17,6 +17,13 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+# Blocks per Mooncake batch of a GQA relayout when SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES is
+# unset: a partial head slice is a block per token, and the TCP transport queues at most
+# MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024 by default) transfers per peer, refusing the rest
+# ("queue-full"; a 6000-token prompt's batch of 4096 blocks failed). Half of it, as Mooncake's
+# own proxies keep in flight over TCP.
+GQA_TRANSFER_BATCH_BLOCKS = 512
+
 
 class PrefillRanks(NamedTuple):
     """What a decode rank reads: ``tp_ranks`` (prefill attention-TP ranks, all real senders), how
@@ -133,15 +140,12 @@ def head_slice_blocks(
 ) -> List[Tuple[int, int, int]]:
     """The blocks of one prefill -> decode DCP transfer of a GQA pool: for each KV entry (item
     lengths are page bytes, one page size on both sides) the decode rank's head slice of each
-    token of the plan (``src_tokens`` -> ``dst_tokens``, rows of the two pools)."""
-    if not (len(src_ptrs) == len(src_item_lens) == len(dst_ptrs) == len(dst_item_lens)):
-        raise ValueError("PD decode DCP (GQA): the decode registered a different number of KV buffers")
+    token of the plan (``src_tokens`` -> ``dst_tokens``, rows of the two pools). The layouts were
+    checked once, when the decode registered (``layout_mismatch``); this runs on the transfer
+    thread, where an exception would stop every later transfer."""
     head_rank, head_tp = decode_head_rank(dst_tp_rank, dst_attn_tp_size, dst_dcp_size)
     src_bytes = [n // page_size for n in src_item_lens]
     dst_bytes = [n // page_size for n in dst_item_lens]
-    for s, d in zip(src_bytes, dst_bytes):
-        if max(s, d) % min(s, d):
-            raise ValueError(f"PD decode DCP (GQA): token items of {s} (prefill) and {d} (decode) bytes are not head slices")
     cuts = [
         token_slice(s, src_tp_rank, src_attn_tp_size, d, head_rank, head_tp) for s, d in zip(src_bytes, dst_bytes)
     ]
