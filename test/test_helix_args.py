@@ -904,15 +904,40 @@ def test_ngram_trees_on_triton_are_upstreams_refusal(model):
     [
         (["--speculative-draft-attention-backend", "flashinfer"], "this draft attention backend",
          "--speculative-draft-attention-backend flashinfer", "Use triton or torch_native, or drop the flag", ""),
-        (["--attention-backend", "triton", "--helix-enable-cuda-graph"], "speculative decoding in CUDA graphs yet",
-         "--helix-enable-cuda-graph", "Drop --helix-enable-cuda-graph", ""),
     ],
-    ids=["draft-flashinfer", "cuda-graph"],
+    ids=["draft-flashinfer"],
 )  # fmt: skip
 def test_speculative_refusals(model, extra, feature, given, fix, why):
     args = _spec(model())
     message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *args, *extra])
     assert message == _unsupported(feature, given, fix, why)
+
+
+def test_speculation_keeps_decode_graphs_with_helix_enable_cuda_graph(model):
+    """Speculation with --helix-enable-cuda-graph is accepted: the draft's decode steps are captured
+    (their lists fill in the graph); the verify and draft extend run eagerly (the series' last patch)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    for topk in (1, 2):
+        args = ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(), topk), "--attention-backend", "triton",
+                "--helix-enable-cuda-graph"]  # fmt: skip
+        cfg = view(resolve(model(), args))
+        assert cfg.disable_cuda_graph is False and cfg.cuda_graph_config.decode.backend != Backend.DISABLED
+        assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
+        assert (cfg.speculative_algorithm, cfg.speculative_eagle_topk) == ("STANDALONE", topk)
+
+
+def test_speculation_in_graphs_is_refused_before_the_draft_graph_patch(model, monkeypatch):
+    """A series prefix without the draft-graph patch (the Triton draft backend does not opt in):
+    speculation with --helix-enable-cuda-graph is refused in one line."""
+    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+
+    monkeypatch.delattr(TritonMultiStepDraftBackend, "supports_helix_graphs")
+    args = ["--tp", "4", "--helix-kvp-size", "2", *_spec(model()), "--attention-backend", "triton",
+            "--helix-enable-cuda-graph"]  # fmt: skip
+    message = helix_error(model(), args)
+    assert message == _unsupported("speculative decoding in CUDA graphs yet", "--helix-enable-cuda-graph",
+                                   "Drop --helix-enable-cuda-graph", "")  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -233,7 +233,8 @@ def _reference(q, keys, values, reqs, rank):
     return torch.stack(out)[:, rank * h : (rank + 1) * h]
 
 
-def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
+def _instrument(monkeypatch):
+    """Trace the step's kernels, forbid host reads, and route the All-to-All to this thread's group."""
     # The split policy at these tiny lengths: up to 8 splits, one per 2 local tokens.
     monkeypatch.setattr(decode_state, "HELIX_MAX_KV_SPLITS", 8)
     monkeypatch.setattr(decode_state, "HELIX_MIN_TOKENS_PER_SPLIT", 2)
@@ -243,22 +244,24 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, _forbid(name))
     monkeypatch.setattr(attention, "get_parallel", lambda: SimpleNamespace(dcp_group=_tls.group))
 
-    g = torch.Generator().manual_seed(0)
+
+LAYER = SimpleNamespace(
+    layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
+    k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None, logit_cap=0.0, sliding_window_size=-1,
+)  # fmt: skip
+
+
+def _world(g):
+    """``(req_to_token [SLOTS, MAX_LEN], pools [KVP], keys, values)``: paged logical locs (page 0
+    reserved) and every position's K/V, written where its owner keeps it (a prefill did it)."""
     page = CHUNK * KVP
-    req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)  # paged logical locs, page 0 reserved
+    req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)
     for slot in range(SLOTS):
         req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
     rows = (SLOTS * MAX_LEN + 1) * CHUNK
     pools = [MHATokenToKVPool(rows, 1, torch.float32, KVH, D, 1, "cpu", enable_memory_saver=False) for _ in range(KVP)]
-    backends = [_TritonBackend(pools[r], req_to_token, r) for r in range(KVP)]
-    layer = SimpleNamespace(
-        layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
-        k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None, logit_cap=0.0, sliding_window_size=-1,
-    )  # fmt: skip
     keys = {s: [None] * MAX_LEN for s in range(SLOTS)}
     values = {s: [None] * MAX_LEN for s in range(SLOTS)}
-
-    # The prompts' K/V, written where their owners keep them (a prefill did it).
     for slot in range(SLOTS):
         for pos in range(MAX_LEN):
             keys[slot][pos] = torch.randn(KVH, D, generator=g)
@@ -270,6 +273,49 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             buf = pools[owner]
             buf.get_key_buffer(0)[write[pos]] = keys[slot][pos]
             buf.get_value_buffer(0)[write[pos]] = values[slot][pos]
+    return req_to_token, pools, keys, values
+
+
+def _run_ranks(exchange, fn):
+    """``fn(rank)`` for every KVP rank, one thread each, taking turns (``exchange.turn``)."""
+    results, errors = {}, []
+
+    def worker(rank):
+        _tls.group = exchange.group(rank)
+        with exchange.turn:
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+                exchange.barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(KVP)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[r] for r in range(KVP)]
+
+
+def _traced(fn):
+    """``(fn(), trace)``: ``fn`` run under a fresh ``_Guard``."""
+    _tls.guard = guard = _Guard()
+    try:
+        with guard:
+            out = fn()
+    finally:
+        _tls.guard = None
+    return out, guard.trace
+
+
+def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
+    _instrument(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    req_to_token, pools, keys, values = _world(g)
+    backends = [_TritonBackend(pools[r], req_to_token, r) for r in range(KVP)]
+    layer = LAYER
 
     # The runner's static inputs, shared by every captured size (sliced), and the graph state.
     max_bs = max(CAPTURE_BS)
@@ -294,28 +340,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         return attention.helix_attention(layer, static.q[:bs], static.k[:bs], static.v[:bs], batch, backend)
 
     exchange = _Exchange()
-    results = {}
-
-    def run_ranks(fn):
-        errors = []
-
-        def worker(rank):
-            _tls.backend, _tls.group = backends[rank], exchange.group(rank)
-            with exchange.turn:
-                try:
-                    results[rank] = fn(rank)
-                except BaseException as e:  # noqa: BLE001 -- reported below
-                    errors.append(e)
-                    exchange.barrier.abort()
-
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(KVP)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return [results[r] for r in range(KVP)]
+    run_ranks = lambda fn: _run_ranks(exchange, fn)  # noqa: E731
 
     # Capture, largest size first: out-of-graph prep, two warm-ups, the capture (traced).
     captured = {}
@@ -326,11 +351,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata_out_graph(backend, batch, in_capture=True)
             for _ in range(2):
                 body(backend, batch)
-            _tls.guard = guard = _Guard()
-            with guard:
-                body(backend, batch)
-            _tls.guard = None
-            return guard.trace
+            return _traced(lambda: body(backend, batch))[1]
 
         captured[bs] = run_ranks(capture)
         launched = {entry[0] for entry in captured[bs][0]}
@@ -369,12 +390,9 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             view = static_batch(bs)
             TritonAttnBackend.init_forward_metadata_out_graph(backends[rank], view)
             calls = exchange.calls[rank]
-            _tls.guard = guard = _Guard()
-            with guard:
-                out = body(backends[rank], view)
-            _tls.guard = None
+            out, trace = _traced(lambda: body(backends[rank], view))
             splits = backends[rank].helix_decode.graph._workspace[1][2][:raw_bs].clone()
-            return out[:raw_bs].clone(), exchange.calls[rank] - calls, guard.trace, splits
+            return out[:raw_bs].clone(), exchange.calls[rank] - calls, trace, splits
 
         replayed = run_ranks(replay)
 
@@ -389,6 +407,161 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             ref = _reference(q.view(raw_bs, H, D), keys, values, reqs, rank)
             torch.testing.assert_close(out.view(raw_bs, H // KVP, D).double(), ref, atol=2e-5, rtol=0, msg=where)
     assert len(split_counts) >= 3, split_counts  # the per-request split policy was exercised
+
+
+DRAFT_STEPS = 3  # --speculative-num-steps: a round runs 2 draft decode forwards, each its own backend
+# Per draft round, (slot, committed seq_len): rounds of 2, 3, 1 and 4 requests (padded to 2, 4, 1, 4).
+DRAFT_ROUNDS = [
+    [(1, 5), (2, 9)],
+    [(1, 7), (3, 3), (4, 12)],
+    [(4, 14)],
+    [(2, 20), (5, 2), (1, 9), (3, 6)],
+]
+
+
+def _draft_rows(reqs, topk):
+    """Per draft token ``[T = B * topk]``: its request and the position of its step-0 row. Branch ``t``
+    of a tree writes its drafts on its own pages, ``t * num_new_pages * page`` past ``seq_len``
+    (``prepare_for_draft``); a chain's (topk 1) start at ``seq_len``."""
+    page, out = CHUNK * KVP, []
+    for b, (_, n) in enumerate(reqs):
+        new_pages = (n % page + DRAFT_STEPS + page - 1) // page
+        out += [(b, n + t * new_pages * page) for t in range(topk)]
+    return out
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk):
+    """A speculative draft round through the draft graph runner's hooks, in its order: one
+    ``init_forward_metadata_in_graph`` per step backend at the start of the captured body, then per
+    step the step's writes bound and the layer (its first layer fills the step's lists from the
+    device positions, into the graph buffers sized for ``max_bs * topk`` tokens), positions
+    advanced on the device. Every replay runs the captured op trace with no host read, one
+    All-to-All per step, and its rows equal eager Helix's draft steps (lists sized on the host)
+    bit for bit and float64 attention over the prefix and the token's own drafts."""
+    _instrument(monkeypatch)
+    monkeypatch.setattr(attention, "max_speculative_num_draft_tokens", lambda: DRAFT_STEPS * topk)
+    monkeypatch.setattr(decode_state, "get_spec", lambda: SimpleNamespace(speculative_num_steps=DRAFT_STEPS))
+    g = torch.Generator().manual_seed(1)
+    req_to_token, pools, keys, values = _world(g)
+    steps = DRAFT_STEPS - 1
+    spec = SimpleNamespace()  # a draft step: a decode with spec_info
+    states = [HelixDecodeState(req_to_token, r, KVP, CHUNK) for r in range(KVP)]
+    step_backends = []  # per rank, one backend per step over the rank's one state (as the pool shares it)
+    for r in range(KVP):
+        step_backends.append([_TritonBackend(pools[r], req_to_token, r) for _ in range(steps)])
+        for backend in step_backends[r]:
+            backend.helix_decode = states[r]
+    max_bs = max(CAPTURE_BS)
+    for state in states:  # the per-step backends' init_cuda_graph_state: max_bs * topk tokens
+        state.init_graph_state(max_bs * topk, MAX_LEN)
+
+    T_max = max_bs * topk
+    statics = [  # each rank's runner has its own static inputs (the body advances positions in place)
+        SimpleNamespace(
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.full((max_bs,), FILL_SEQ_LEN),
+            positions=torch.zeros(T_max, dtype=torch.int64), out_cache_loc=torch.zeros(steps, T_max, dtype=torch.int64),
+            q=torch.zeros(steps, T_max, H * D), k=torch.zeros(steps, T_max, KVH * D), v=torch.zeros(steps, T_max, KVH * D),
+        )  # fmt: skip
+        for _ in range(KVP)
+    ]
+
+    def static_batch(rank, bs):
+        static = statics[rank]
+        return SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=static.req_pool_indices[:bs],
+            seq_lens=static.seq_lens[:bs], seq_lens_cpu=static.seq_lens[:bs], positions=static.positions[: bs * topk],
+            out_cache_loc=static.out_cache_loc[0, : bs * topk], spec_info=spec,
+        )  # fmt: skip
+
+    def body(rank, batch):  # the draft runner's run_once: in-graph prep, then draft_forward's steps
+        T, static = batch.positions.shape[0], statics[rank]
+        for backend in step_backends[rank]:
+            TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
+        outs = []
+        for i, backend in enumerate(step_backends[rank]):
+            batch.out_cache_loc = static.out_cache_loc[i, :T]
+            outs.append(attention.helix_attention(LAYER, static.q[i, :T], static.k[i, :T], static.v[i, :T], batch, backend))
+            batch.positions.add_(1)
+        batch.positions.sub_(steps)  # as run_once restores them
+        return outs
+
+    exchange = _Exchange()
+    run_ranks = lambda fn: _run_ranks(exchange, fn)  # noqa: E731
+    captured = {}
+    for bs in sorted(CAPTURE_BS, reverse=True):
+
+        def capture(rank, bs=bs):
+            batch = static_batch(rank, bs)
+            for backend in step_backends[rank]:
+                TritonAttnBackend.init_forward_metadata_out_graph(backend, batch, in_capture=True)
+            for _ in range(2):
+                body(rank, batch)
+            return _traced(lambda: body(rank, batch))[1]
+
+        captured[bs] = run_ranks(capture)
+        launched = [entry[0] for entry in captured[bs][0]]
+        assert launched.count("create_triton_kv_indices_for_dcp_triton") == steps, launched  # each step's lists, in the body
+        assert launched.count("decode_attention_fwd") == steps and "dcp_pack_a2a_send" not in launched
+
+    for round_no, reqs in enumerate(DRAFT_ROUNDS):
+        raw_bs = len(reqs)
+        bs = min(b for b in CAPTURE_BS if b >= raw_bs)
+        rows = _draft_rows(reqs, topk)
+        T, T_pad = raw_bs * topk, bs * topk
+        slots = torch.tensor([s for s, _ in reqs])
+        seq = torch.tensor([n for _, n in reqs])
+        positions = torch.tensor([reqs[b][1] for b, _ in rows])  # RoPE position of step 0: seq_len
+        loc = torch.stack([torch.stack([req_to_token[reqs[b][0], r + i] for b, r in rows]) for i in range(steps)]).long()
+        q = torch.randn(steps, T, H * D, generator=g)
+        k = torch.stack([torch.stack([keys[reqs[b][0]][r + i] for b, r in rows]) for i in range(steps)]).reshape(steps, T, -1)
+        v = torch.stack([torch.stack([values[reqs[b][0]][r + i] for b, r in rows]) for i in range(steps)]).reshape(steps, T, -1)
+
+        def eager(rank):  # the eager draft: each step backend's init_forward_metadata, then its layer
+            outs = []
+            for i, backend in enumerate(step_backends[rank]):
+                batch = SimpleNamespace(
+                    forward_mode=ForwardMode.DECODE, batch_size=raw_bs, req_pool_indices=slots, seq_lens=seq,
+                    seq_lens_cpu=seq, positions=positions + i, out_cache_loc=loc[i], spec_info=spec,
+                )  # fmt: skip
+                TritonAttnBackend.init_forward_metadata(backend, batch)
+                calls = exchange.calls[rank]
+                outs.append(attention.helix_attention(LAYER, q[i], k[i], v[i], batch, backend))
+                assert exchange.calls[rank] - calls == 1
+            return outs
+
+        eager_out = run_ranks(eager)
+
+        # Replay: the round copied into the static inputs and padded (slot 0, seq_len 1, position 0, loc 0).
+        for static in statics:
+            static.req_pool_indices.zero_(), static.seq_lens.fill_(FILL_SEQ_LEN), static.positions.zero_()
+            static.out_cache_loc.zero_(), static.q.zero_(), static.k.zero_(), static.v.zero_()
+            static.req_pool_indices[:raw_bs], static.seq_lens[:raw_bs], static.positions[:T] = slots, seq, positions
+            static.out_cache_loc[:, :T], static.q[:, :T], static.k[:, :T], static.v[:, :T] = loc, q, k, v
+
+        def replay(rank):
+            view = static_batch(rank, bs)
+            calls = exchange.calls[rank]
+            outs, trace = _traced(lambda: body(rank, view))
+            return [o[:T].clone() for o in outs], exchange.calls[rank] - calls, trace
+
+        replayed = run_ranks(replay)
+        for rank in range(KVP):
+            outs, a2a, trace = replayed[rank]
+            where = f"round {round_no} {reqs} (padded to {bs}, {T_pad} tokens), KVP rank {rank}"
+            assert trace == captured[bs][rank], f"{where}: the replayed draft round differs from the captured one"
+            assert a2a == steps, f"{where}: {a2a} All-to-Alls for {steps} steps"
+            h = H // KVP
+            for i in range(steps):
+                assert torch.equal(outs[i], eager_out[rank][i]), f"{where}, step {i}: graph path != eager"
+                for t, (b, r) in enumerate(rows):  # the prefix, then the token's own drafts up to this step
+                    slot, n = reqs[b]
+                    pos = list(range(n)) + list(range(r, r + i + 1))
+                    kb = torch.stack([keys[slot][p] for p in pos]).double().repeat_interleave(H // KVH, dim=1)
+                    vb = torch.stack([values[slot][p] for p in pos]).double().repeat_interleave(H // KVH, dim=1)
+                    sc = torch.einsum("hd,lhd->hl", q[i, t].view(H, D).double(), kb) * D**-0.5
+                    ref = torch.einsum("hl,lhd->hd", sc.softmax(-1), vb)[rank * h : (rank + 1) * h]
+                    torch.testing.assert_close(outs[i][t].view(h, D).double(), ref, atol=2e-5, rtol=0, msg=where)
 
 
 @pytest.mark.parametrize("kvp,chunk", [(2, 2), (4, 2), (3, 5), (8, 64)])

@@ -23,7 +23,7 @@ if STUB_DIR not in sys.path:
 
 import sglang.srt.utils  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
-from sglang.srt.layers.helix import decode_state  # noqa: E402
+from sglang.srt.layers.helix import decode_state, kv_layout  # noqa: E402
 from sglang.srt.layers.helix.decode_state import HelixDecodeState, graph_buffer_bytes  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
@@ -35,7 +35,7 @@ MODELS = {
 CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
 
 
-def _reserved(monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True, cores=132):
+def _reserved(monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True, cores=132, topk=None):
     parallel = SimpleNamespace(
         helix_enabled=helix, attn_dcp_size=KVP, attn_tp_size=TP, dcp_interleave_size=CHUNK,
     )  # fmt: skip
@@ -44,7 +44,9 @@ def _reserved(monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8
             decode=SimpleNamespace(bs=[1, 2, 4, 8, 16, 32, 64, 128, MAX_BS]))),
         kernel=SimpleNamespace(triton_attention_num_kv_splits=splits_flag),
     )  # fmt: skip
+    spec = SimpleNamespace(speculative_algorithm="EAGLE" if topk else None, speculative_eagle_topk=topk)
     monkeypatch.setattr(decode_state, "get_parallel", lambda: parallel)
+    monkeypatch.setattr(decode_state, "get_spec", lambda: spec)
     monkeypatch.setattr(runtime_context, "get_exec", lambda: exec_)
     monkeypatch.setattr(sglang.srt.utils, "get_device_core_count", lambda device_id=0: cores)
     kvc = SimpleNamespace(
@@ -147,3 +149,16 @@ def test_eager_decode_uses_the_one_charged_set():
     assert step is not charged and not step.fixed and step.max_bs == 6 and state.graph is charged
     state.prepare_eager(batch(6))
     assert state.metadata.buffers is not step  # not kept: allocated per step like upstream's
+
+
+def test_a_tree_draft_is_charged_per_token(monkeypatch):
+    """With --speculative-eagle-topk K a draft step lists each of its K tokens per request (in a
+    draft CUDA graph, into the one buffer set): the set is charged for K x the graph batch, a chain
+    (topk 1) and no speculation alike for the batch."""
+    q, k, v_head_dim = 64, 8, 128
+    plain = _reserved(monkeypatch, q, k, v_head_dim)
+    assert _reserved(monkeypatch, q, k, v_head_dim, topk=1) == plain
+    tree = _reserved(monkeypatch, q, k, v_head_dim, topk=4)
+    assert decode_state.reserved_batch() == 4 * MAX_BS
+    capacity = 4 * MAX_BS * int(kv_layout.local_kv_lens(CONTEXT, 0, KVP, CHUNK))
+    assert tree > plain and tree >= 8 * capacity  # the lists alone: int64 rows for 4x the tokens

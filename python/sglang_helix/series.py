@@ -491,7 +491,7 @@ PREFIX_TESTS = {
         "test/test_helix_kv_layout.py", "test/test_helix_memory.py", "-k", "not triton",  # the allocator's torch path
     ],
     "[Helix] Attention backends: DCP's GQA mode runs the Helix attention": [
-        "test/test_helix_import.py", "test/test_helix_decode_graph.py",
+        "test/test_helix_import.py", "test/test_helix_decode_graph.py", "-k", "not draft_steps",  # (the draft-graph patch's)
     ],
     "[Helix] Llama, Mistral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
@@ -514,6 +514,10 @@ PREFIX_TESTS = {
         "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
     ],
     _PD_RELAYOUT: ["test/test_helix_pd.py", "-m", "not e2e"],
+    "[Helix] Speculation: draft decode steps in CUDA graphs": [
+        "test/test_helix_decode_graph.py", "test/test_helix_args.py", "-m", "not e2e", "-k",
+        "capture_replay or speculation_keeps or speculation_in_graphs",
+    ],
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.

@@ -140,6 +140,13 @@ def helix_architectures(drafts: bool = False) -> list:
     return sorted(a for a, cls in ModelRegistry.models.items() if any(vars(cls).get(k) for k in keys))
 
 
+def helix_draft_graphs() -> bool:
+    """The Triton draft backend captures Helix draft steps (``supports_helix_graphs``, in its body)."""
+    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+
+    return bool(vars(TritonMultiStepDraftBackend).get("supports_helix_graphs"))
+
+
 def _resolve_attention_backend(server_args: Any, cfg: Any) -> None:
     """One Helix backend for both phases (not a HybridAttnBackend); unset: a split flag's, else the platform's."""
     fields = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
@@ -236,7 +243,6 @@ SPEC_UNSUPPORTED = {
     "a draft attention window yet": "speculative_draft_window_size speculative_draft_sink_size",
     "decode-mode speculative attention": "speculative_attention_mode=prefill",
     "multi-layer EAGLE yet": "enable_multi_layer_eagle",
-    "speculative decoding in CUDA graphs yet": "helix_enable_cuda_graph",
 }
 
 
@@ -285,7 +291,8 @@ def check_disaggregation(cfg: Any) -> None:
 
 
 def check_speculative(cfg: Any) -> None:
-    """EAGLE / STANDALONE drafts (chains and trees) and NGRAM on Helix backends, eager, of Helix models."""
+    """EAGLE / STANDALONE drafts (chains and trees) and NGRAM on Helix backends, of Helix models; with
+    --helix-enable-cuda-graph the draft's decode steps are captured, the verify runs eagerly."""
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     alg, backend = cfg.speculative_algorithm, cfg.speculative_draft_attention_backend
@@ -298,6 +305,9 @@ def check_speculative(cfg: Any) -> None:
         unsupported(cfg, "this draft attention backend", [f"--speculative-draft-attention-backend {backend}"],
                     "Use triton or torch_native, or drop the flag")  # fmt: skip
     check_unsupported_flags(cfg, SPEC_UNSUPPORTED)
+    if cfg.helix_enable_cuda_graph and not helix_draft_graphs():  # the series' draft-graph patch
+        unsupported(cfg, "speculative decoding in CUDA graphs yet", ["--helix-enable-cuda-graph"],
+                    "Drop --helix-enable-cuda-graph")  # fmt: skip
     path, override = cfg.speculative_draft_model_path, (cfg.decrypted_draft_config_file or "").strip()
     if not path:
         return

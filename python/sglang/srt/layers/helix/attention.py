@@ -13,9 +13,11 @@ kernel with ``lse_extend`` in three calls over the owned keys (the owned prefix;
 over the owned new tokens before it; each segment causally over itself), so every rank does ~1/KVP
 of the prefill. A speculative target verify is a causal extend of the drafts over the committed
 prefix; a draft decode step attends up to its own position (``kv_ends_of``; on Triton its lists are
-sized on the host by ``draft_kv_ends``, no device read). A Triton decode reads the lists the
-backend's hooks filled (``decode_state.py``); any other forward builds them on its first layer into
-the backend's ``helix_metadata``, cleared by ``init_forward_metadata`` (docs/helix-design.md, 3-4).
+sized on the host by ``draft_kv_ends``, no device read; in a CUDA graph, for the largest step). A
+Triton decode reads the lists the backend's hooks filled (``decode_state.py``); any other forward
+builds them on its first layer into the backend's ``helix_metadata``, cleared by
+``init_forward_metadata`` (and, for a captured draft step, ``init_forward_metadata_in_graph``;
+docs/helix-design.md, 3-4).
 """
 
 from __future__ import annotations
@@ -122,11 +124,13 @@ def query_lens_of(forward_batch, batch_size: int) -> list:
     return forward_batch.extend_seq_lens_cpu
 
 
-def draft_kv_ends(forward_batch) -> Tuple[torch.Tensor, list]:
+def draft_kv_ends(forward_batch, host_bound: bool = True) -> Tuple[torch.Tensor, Optional[list]]:
     """A speculative draft decode step's KV ends for the Triton lists, without a device read:
-    ``position + 1`` on the device ``[B]``, and on the host a bound the lists are sized by -- the
-    committed length plus the most tokens a draft may write past it
+    ``position + 1`` on the device ``[B]`` (a tree's ``[T]``), and on the host (eager only) a bound
+    the lists are sized by -- the committed length plus the most tokens a draft may write past it
     (``max_speculative_num_draft_tokens``, adaptive speculation's largest)."""
+    if not host_bound:
+        return forward_batch.positions.to(torch.int64) + 1, None
     bound = max_speculative_num_draft_tokens() or 1
     topk = forward_batch.out_cache_loc.shape[0] // max(1, forward_batch.req_pool_indices.shape[0])  # a tree: per token
     return forward_batch.positions.to(torch.int64) + 1, [int(n) + bound for n in forward_batch.seq_lens_cpu for _ in range(topk)]
@@ -219,7 +223,8 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
             meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
         else:  # a draft step (each has its own backend): its first layer fills, to its position
             if backend.helix_metadata is None:
-                state.prepare_draft_step(forward_batch, *draft_kv_ends(forward_batch))
+                # (captured in a CUDA graph: device ends only, into the graph buffers)
+                state.prepare_draft_step(forward_batch, *draft_kv_ends(forward_batch, not state.draft_in_graph))
                 backend.helix_metadata = state.metadata
             meta = backend.helix_metadata
     else:

@@ -196,11 +196,13 @@ def buffer_bytes(
 
 
 def reserved_batch() -> int:
-    """``B``: the requests Helix's one decode buffer set is sized for -- the largest decode CUDA-graph
-    batch configured (``cuda_graph_config.decode.bs``, resolved even when graphs are off)."""
+    """``B``: the tokens Helix's one decode buffer set is sized for -- the largest decode CUDA-graph
+    batch configured (``cuda_graph_config.decode.bs``, resolved even when graphs are off), times a
+    tree draft's ``--speculative-eagle-topk`` (a draft step lists each of its tokens)."""
     from sglang.srt.runtime_context import get_exec
 
-    return max(get_exec().graph.cuda_graph_config.decode.bs or [0])
+    topk = get_spec().speculative_eagle_topk if get_spec().speculative_algorithm is not None else None
+    return max(get_exec().graph.cuda_graph_config.decode.bs or [0]) * max(1, topk or 1)
 
 
 def graph_buffer_bytes(kvc) -> int:
@@ -242,6 +244,9 @@ class HelixDecodeState:
         self.device = req_to_token.device
         self.graph: Optional[HelixDecodeBuffers] = None
         self.metadata: Optional[HelixDecodeMetadata] = None
+        # A draft decode step is being captured (prepare_in_graph): its first layer fills the
+        # graph buffers from device values only (prepare_draft_step without a host bound).
+        self.draft_in_graph = False
 
     @classmethod
     def for_this_rank(cls, req_to_token_pool, max_context_len: Optional[int] = None) -> Optional["HelixDecodeState"]:
@@ -310,6 +315,7 @@ class HelixDecodeState:
     def prepare_eager(self, forward_batch, kv_ends=None, kv_ends_cpu=None) -> None:
         """Eager decode: grow the buffers on the host if needed, then fill. A draft step (a decode with
         ``spec_info``) is filled by ``prepare_draft_step``, when its writes and positions are bound."""
+        self.draft_in_graph = False
         if kv_ends is None and forward_batch.spec_info is not None:
             self.metadata = None
             return
@@ -329,9 +335,16 @@ class HelixDecodeState:
         step = HelixDecodeBuffers(max(batch, num_tokens), max(total, 1), self.kvp_size, self.device, fixed=False)
         self.metadata = self.fill(step, forward_batch, kv_ends)
 
-    def prepare_draft_step(self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu) -> None:
-        """A speculative draft decode step (eager): its lists end at each request's position + 1
-        (``kv_ends``), past ``seq_lens``; ``kv_ends_cpu`` bounds them on the host."""
+    def prepare_draft_step(self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu: Optional[list] = None) -> None:
+        """A speculative draft decode step: its lists end at each token's position + 1 (``kv_ends``
+        ``[B]``, a tree's ``[T]``), past ``seq_lens``. Eager: ``kv_ends_cpu`` bounds them on the host.
+        In a CUDA graph (``kv_ends_cpu`` None) the graph buffers, sized for the largest step's
+        tokens at the model's context, take them: device ops only, shapes from ``[T]``."""
+        if kv_ends_cpu is None:
+            if self.graph is None:
+                raise RuntimeError("helix decode: init_graph_state was not called before a draft step's capture")
+            self.metadata = self.fill(self.graph, forward_batch, kv_ends)
+            return
         self.prepare_eager(forward_batch, kv_ends, kv_ends_cpu)
 
     # -- CUDA graph -----------------------------------------------------------------------
@@ -359,7 +372,10 @@ class HelixDecodeState:
         return HelixDecodeBuffers(max_bs, capacity, self.kvp_size, self.device, fixed=True)
 
     def prepare_in_graph(self, forward_batch) -> None:
-        """Graph capture (and warm-up): fill the graph buffers from the runner's static inputs."""
+        """Graph capture (and warm-up): fill the graph buffers from the runner's static inputs. A
+        draft decode step (``spec_info``) is filled by its first layer, once the step's positions
+        and writes are bound (``prepare_draft_step``, no host bound)."""
         if self.graph is None:
             raise RuntimeError("helix decode: init_graph_state was not called before capture")
-        self.metadata = self.fill(self.graph, forward_batch)
+        self.draft_in_graph = forward_batch.spec_info is not None
+        self.metadata = None if self.draft_in_graph else self.fill(self.graph, forward_batch)
