@@ -496,7 +496,8 @@ PREFIX_TESTS = {
     "[Helix] Llama, Mistral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server "
-        "and not speculative",
+        "and not speculative and not speculation and not standalone and not tree_drafts and not ngram "
+        "and not draft_config",  # (speculation is accepted from the EAGLE patch on)
     ],
     "[Helix] Qwen2: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen2",
