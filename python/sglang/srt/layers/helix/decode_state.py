@@ -201,7 +201,8 @@ def reserved_batch() -> int:
     tree draft's ``--speculative-eagle-topk`` (a draft step lists each of its tokens)."""
     from sglang.srt.runtime_context import get_exec
 
-    topk = get_spec().speculative_eagle_topk if get_spec().speculative_algorithm is not None else None
+    alg = get_spec().speculative_algorithm  # NGRAM's top-k shapes its verify; it has no draft steps
+    topk = get_spec().speculative_eagle_topk if alg is not None and str(alg).upper() != "NGRAM" else None
     return max(get_exec().graph.cuda_graph_config.decode.bs or [0]) * max(1, topk or 1)
 
 
