@@ -206,7 +206,8 @@ def test_prefix_tests_name_real_patches():
     ]
 
 
-# The default run checks that every prefix applies, imports and gates the flag (~5 min on 2 cores);
+# The default run checks that every prefix applies, imports and gates the flag (~2 min on 2 cores:
+# two probes at a time, each forked from a process that imported torch & co. once; ~6 min before);
 # with each patch's own tests at its prefix (PREFIX_TESTS) it takes ~10-16 min, so that runs in the
 # full tier (HELIX_TEST_FULL=1) and with `python -m sglang_helix.series prefixes`. Those tests all
 # run on the whole series in the default run.

@@ -590,11 +590,81 @@ def _module_name(rel: str) -> str:
     return name.removesuffix(".__init__")
 
 
-def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print) -> list[str]:
+# The probes' third-party imports (torch, transformers, ...: ~6 of a probe's ~8 s of imports on 2
+# cores) are paid once per worker: a fork server imports them, then forks one child per prefix,
+# which imports SGLang from that prefix's tree and runs _PROBE. Nothing of SGLang is imported before
+# the fork (checked), so each child sees only its prefix's code.
+_PRELOAD = "torch,transformers,triton,numpy,scipy,sympy,networkx,torchvision,openai,fastapi,uvicorn,aiohttp,zmq,pydantic,requests,flashinfer,cutlass"
+_FORK_SERVER = """
+import importlib, json, os, sys, traceback
+for name in sys.argv[1].split(","):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+early = sorted(m for m in sys.modules if m.split(".")[0] in ("sglang", "sgl_kernel"))
+assert not early, f"imported before the fork: {early}"
+probe = compile(sys.argv[2], "<probe>", "exec")
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(1, "w", closefd=False)
+        sys.argv = ["-c", job["root"], job["model"], job["modules"]]
+        sys.path.insert(0, job["root"])
+        code = 0
+        try:
+            exec(probe, {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+class _ProbeServer:
+    """One fork server (above): ``probe`` runs _PROBE on a tree in a fresh child, one at a time."""
+
+    def __init__(self, env: dict, cwd: Path):
+        self.cwd = cwd
+        self.proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, _PRELOAD, _PROBE], env=env, cwd=cwd,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    def probe(self, root: Path, model: str, modules: list[str]) -> tuple[int, str, str]:
+        log = Path(tempfile.mkstemp(prefix="probe-", suffix=".log", dir=self.cwd)[1])
+        self.proc.stdin.write(json.dumps({"root": str(root), "model": model, "modules": ",".join(modules), "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        rc = self.proc.stdout.readline().strip()
+        out = log.read_text(errors="replace")
+        log.unlink()
+        if not rc:
+            return -1, out, f"the probe server exited ({self.proc.poll()})"
+        return int(rc), out, ""
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print, workers: int = 2) -> list[str]:
     """Apply the series one patch at a time to a pristine tree in ``work`` and check each prefix.
 
     Returns one line per prefix; raises ``SeriesError`` at the first prefix that fails.
+
+    Without tests, the import probes run ``workers`` at a time: each on a hard-linked snapshot of
+    the prefix's ``python/`` (``git am`` replaces a file it changes, it never writes into it, so a
+    snapshot keeps its prefix's bytes and the bytecode compiled so far). With tests, one prefix at
+    a time in the tree itself.
     """
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     from sglang_helix.testing.cpu_env import cpu_server_env
     from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model
 
@@ -602,30 +672,33 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
     model = write_tiny_model(str(work / "llama"), TinyModelSpec(num_heads=8, num_kv_heads=4))
     root = tree / "python"
     env = cpu_server_env(2, attention_backend="triton")
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env["PYTHONPATH"]])
+    workers = 1 if run_tests else max(1, workers)
+    servers: list[_ProbeServer] = []
+    local = threading.local()
+
+    def probe_prefix(probe_root: Path, modules: list[str]) -> tuple[int, str, str]:
+        if not hasattr(local, "server"):  # one fork server per pool thread
+            local.server = _ProbeServer(env, work)
+            servers.append(local.server)
+        return local.server.probe(probe_root, model, modules)
+
     new_modules: list[str] = []
     touched: list[str] = []
     report = []
     opted_in = False
-    for i, patch in enumerate(series.patches, 1):
+    pool = ThreadPoolExecutor(max_workers=workers)
+    # (prefix, patch, modules, probe) in order; a probe's snapshot is removed once it is read
+    pending: list[tuple[int, Path, list[str], object, Path | None]] = []
+
+    def finish(i: int, patch: Path, modules: list[str], probe_future, snapshot: Path | None) -> None:
+        nonlocal opted_in
         subject = _patch_subject(patch)
-        r = _run(["git", "am", "--keep-cr", "--keep-non-patch", "--committer-date-is-author-date", str(patch)],
-                 cwd=tree, check=False)  # fmt: skip
-        if r.returncode != 0:
-            raise SeriesError(f"prefix {i} ({patch.name}): git am failed:\n{r.stdout}{r.stderr}")
-        for rel in Series.touched_files_of(patch):
-            if rel.endswith(".py") and rel not in touched:
-                touched.append(rel)
-        for rel in modules_of(series, subject):  # the new modules this patch brings in
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(series.repo / "python" / rel, root / rel)
-            new_modules.append(_module_name(rel))
-        modules = ["sglang.launch_server"] + [_module_name(rel) for rel in touched] + new_modules
-        r = subprocess.run([sys.executable, "-c", _PROBE, str(root), model, ",".join(modules)],
-                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-        probe = [line for line in r.stdout.splitlines() if line.startswith("PROBE ")]
-        if r.returncode != 0 or not probe:
-            raise SeriesError(f"prefix {i} ({patch.name}): import or probe failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+        rc, out, err = probe_future.result()
+        if snapshot is not None:
+            shutil.rmtree(snapshot, ignore_errors=True)
+        probe = [line for line in out.splitlines() if line.startswith("PROBE ")]
+        if rc != 0 or not probe:
+            raise SeriesError(f"prefix {i} ({patch.name}): import or probe failed:\n{out[-3000:]}{err[-3000:]}")
         accepted = probe[0] == "PROBE accepted"
         opted_in = opted_in or opts_llama_in(patch)
         expected = opted_in
@@ -638,7 +711,8 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
         tests = PREFIX_TESTS.get(subject, [])
         if run_tests and tests:
             r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *tests],
-                               cwd=series.repo, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+                               cwd=series.repo, env={**env, "PYTHONPATH": os.pathsep.join([str(root), env["PYTHONPATH"]])},
+                               capture_output=True, text=True, timeout=900)  # fmt: skip
             summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
             if r.returncode != 0:
                 raise SeriesError(f"prefix {i} ({patch.name}): tests failed: {' '.join(tests)}\n{r.stdout[-5000:]}")
@@ -647,7 +721,43 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
         line = f"{i:2d} {subject}: applies, imports {len(modules)} modules, flag {'accepted' if accepted else 'refused'}; {summary}"
         log(line)
         report.append(line)
+
+    try:
+        for i, patch in enumerate(series.patches, 1):
+            subject = _patch_subject(patch)
+            r = _run(["git", "am", "--keep-cr", "--keep-non-patch", "--committer-date-is-author-date", str(patch)],
+                     cwd=tree, check=False)  # fmt: skip
+            if r.returncode != 0:
+                raise SeriesError(f"prefix {i} ({patch.name}): git am failed:\n{r.stdout}{r.stderr}")
+            for rel in Series.touched_files_of(patch):
+                if rel.endswith(".py") and rel not in touched:
+                    touched.append(rel)
+            for rel in modules_of(series, subject):  # the new modules this patch brings in
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                (root / rel).unlink(missing_ok=True)  # a new file: never write into a snapshot's link
+                shutil.copyfile(series.repo / "python" / rel, root / rel)
+                new_modules.append(_module_name(rel))
+            modules = ["sglang.launch_server"] + [_module_name(rel) for rel in touched] + new_modules
+            if workers == 1 or i == 1:  # the first probe compiles the tree's bytecode for the snapshots
+                snapshot, probe_root = None, root
+            else:
+                snapshot = work / f"prefix-{i:02d}"
+                _run(["cp", "-al", str(root), str(snapshot)])
+                probe_root = snapshot
+            pending.append((i, patch, modules, pool.submit(probe_prefix, probe_root, modules), snapshot))
+            if snapshot is None or len(pending) >= workers:
+                finish(*pending.pop(0))
+        while pending:
+            finish(*pending.pop(0))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for server in servers:
+            server.close()
+        for *_, snapshot in pending:
+            if snapshot is not None:
+                shutil.rmtree(snapshot, ignore_errors=True)
     return report
+
 
 
 def main(argv=None) -> int:
