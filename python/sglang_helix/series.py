@@ -596,7 +596,7 @@ def _module_name(rel: str) -> str:
 # the fork (checked), so each child sees only its prefix's code.
 _PRELOAD = "torch,transformers,triton,numpy,scipy,sympy,networkx,torchvision,openai,fastapi,uvicorn,aiohttp,zmq,pydantic,requests,flashinfer,cutlass"
 _FORK_SERVER = """
-import importlib, json, os, sys, traceback
+import importlib, json, os, signal, sys, traceback
 for name in sys.argv[1].split(","):
     try:
         importlib.import_module(name)
@@ -615,6 +615,7 @@ for line in sys.stdin:
         sys.stdout = sys.stderr = open(1, "w", closefd=False)
         sys.argv = ["-c", job["root"], job["model"], job["modules"]]
         sys.path.insert(0, job["root"])
+        signal.alarm(600)  # a probe that hangs is killed, and reported as failed
         code = 0
         try:
             exec(probe, {"__name__": "__main__"})
@@ -659,8 +660,9 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
 
     Without tests, the import probes run ``workers`` at a time: each on a hard-linked snapshot of
     the prefix's ``python/`` (``git am`` replaces a file it changes, it never writes into it, so a
-    snapshot keeps its prefix's bytes and the bytecode compiled so far). With tests, one prefix at
-    a time in the tree itself.
+    snapshot keeps its prefix's bytes and the bytecode compiled so far), each probe a child forked
+    from a server that imported the third-party modules once (``_FORK_SERVER``). With tests, one
+    prefix at a time in the tree itself.
     """
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -687,7 +689,7 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
     report = []
     opted_in = False
     pool = ThreadPoolExecutor(max_workers=workers)
-    # (prefix, patch, modules, probe) in order; a probe's snapshot is removed once it is read
+    # (prefix, patch, modules, probe, snapshot) in order; a snapshot is removed once its probe is read
     pending: list[tuple[int, Path, list[str], object, Path | None]] = []
 
     def finish(i: int, patch: Path, modules: list[str], probe_future, snapshot: Path | None) -> None:
