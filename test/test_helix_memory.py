@@ -4,7 +4,7 @@
 budget (the Triton-backend patch); the shipped ``HelixDecodeState`` then allocates its graph
 buffers (``init_graph_state``) and the per-layer workspace (the first layer's ``workspace``). Here
 both run for real model shapes on the meta device (no memory), and the bytes allocated must equal
-the bytes reserved within 1%. Upstream's own graph split buffers are not allocated under Helix
+the bytes reserved exactly. Upstream's own graph split buffers are not allocated under Helix
 (``cuda_graph_attn_logits`` is empty), and eager decode reuses the graph buffers when a batch fits.
 """
 
