@@ -10,8 +10,8 @@
   ``--dcp-replicate-q-proj`` Q is partitioned like K/V, so no rank gathers Q.
 - End to end: ``--tp 4 --dcp-size 4`` (K * dcp = 8 > tp: the layout that served wrong tokens and
   that the earlier series refused), ``--dcp-size 2`` with the All-to-All exchange, and
-  ``--dcp-size 2 --dcp-comm-backend a2a --dcp-replicate-q-proj`` (Helix's layout at interleave 1,
-  spelled with DCP's flags), on a Llama
+  ``--dcp-size 2 --dcp-replicate-q-proj`` with no exchange given (Helix's layout at interleave 1,
+  spelled with DCP's flags: replicated Q on a GQA model takes the All-to-All), on a Llama
   with 2 KV heads and torch_native, serve plain ``--tp 4``'s greedy tokens and logprobs; with
   ``--max-total-tokens 128`` a ~300-token prompt is longer than what one rank's pool holds, so it
   is served only if each rank stores only its own tokens.
@@ -161,7 +161,9 @@ def test_torch_attention_empty_shard_is_neutral():
 # (the same limit on plain TP would refuse it: the baseline runs without it).
 # (At --dcp-size 2, 192 rows: 384 logical tokens hold the prompt, ~150 of its tokens per rank.)
 _CAPACITY = ["--max-total-tokens", "128"]
-_REPLICATED_Q = ["--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj", "--max-total-tokens", "192"]
+# (no --dcp-comm-backend: replicated Q on a GQA model picks the All-to-All on every platform, the CPU's
+# default ag_rs included; test_helix_args.py resolves it for every platform's default)
+_REPLICATED_Q = ["--dcp-size", "2", "--dcp-replicate-q-proj", "--max-total-tokens", "192"]
 CASES = [
     # (id, backend, args, default run)
     # (dcp4 joined the full tier on 2026-11-26 to keep the default run under 40 min; its layout

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 
@@ -555,9 +556,52 @@ def test_dcp_spelling_refusals_name_the_helix_layout(model):
 
 def test_interleave_needs_the_gqa_mode(model):
     assert helix_error(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-interleave-size", "4"]) == (
-        "--dcp-interleave-size 4 needs DCP's GQA mode (--dcp-size > 1 --dcp-comm-backend a2a "
-        "--dcp-replicate-q-proj on a GQA model, i.e. --helix-kvp-size). Drop --dcp-interleave-size."
+        "--dcp-interleave-size 4 needs DCP's GQA mode (--dcp-size > 1 --dcp-replicate-q-proj on a GQA "
+        "model, i.e. --helix-kvp-size). Drop --dcp-interleave-size."
     )
+
+
+# DCP's default exchange per platform (overrides._dcp_comm_backend_default): (is_cuda, is_hip, is_xpu,
+# fi_a2a supported) -> the exchange plain --dcp-size picks there.
+PLATFORM_DEFAULTS = {
+    "cuda": ((True, False, False, False), "a2a"),
+    "blackwell": ((True, False, False, True), "fi_a2a"),
+    "hip": ((False, True, False, False), "a2a"),
+    "xpu": ((False, False, True, False), "a2a"),
+    "cpu": ((False, False, False, False), "ag_rs"),
+}
+
+
+@pytest.mark.parametrize("platform", list(PLATFORM_DEFAULTS))
+def test_replicated_q_without_an_exchange_is_the_gqa_mode_on_every_platform(model, monkeypatch, platform):
+    """``--dcp-size 2 --dcp-replicate-q-proj`` with no ``--dcp-comm-backend`` on a GQA model is the
+    server ``--helix-kvp-size 2 --helix-kvp-chunk-size 1`` starts, whatever exchange DCP's default
+    would pick on the platform (fi_a2a on Blackwell, a2a on CUDA/HIP/XPU, ag_rs on the CPU, where
+    upstream refused replicated Q)."""
+    from sglang.srt.arg_groups import overrides, parallel_hook
+
+    (cuda, hip, xpu, fi_a2a), default = PLATFORM_DEFAULTS[platform]
+    comm_backend_default = parallel_hook._dcp_comm_backend_default
+
+    def on_platform(view):  # DCP's default exchange as that platform picks it (only there: the rest is the CPU's)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(overrides, "get_platform", lambda: SimpleNamespace(is_cuda=cuda, is_hip=hip, is_xpu=xpu))
+            mp.setattr(overrides, "is_fi_a2a_supported", lambda **_: fi_a2a)
+            return comm_backend_default(view)
+
+    monkeypatch.setattr(parallel_hook, "_dcp_comm_backend_default", on_platform)
+    plain = SimpleNamespace(dcp_comm_backend=None, dcp_size=2, tp_size=4, pp_size=1, nnodes=1)  # --dcp-size 2
+    assert on_platform(plain) == {"dcp_comm_backend": default}  # what plain DCP gets there
+    dcp = view(resolve(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-replicate-q-proj"]))
+    helix = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "1"]))
+    assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {f: getattr(helix, f) for f in RESOLVED_FIELDS}
+    assert (dcp.helix_kvp_size, dcp.dcp_comm_backend, dcp.dcp_replicate_q_proj) == (2, "a2a", True)
+
+
+def test_replicated_q_with_another_exchange_stays_upstream(model):
+    """An exchange the user names other than a2a is upstream DCP's (and its refusal on GQA)."""
+    with pytest.raises(ValueError, match="--dcp-replicate-q-proj only applies to the a2a/fi_a2a"):
+        resolve(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "ag_rs", "--dcp-replicate-q-proj"])
 
 
 def test_plain_dcp_stays_upstream(model):

@@ -73,19 +73,21 @@ def resolve_helix_layout(server_args: Any) -> None:
             logger.info("Helix parallelism: --helix-kvp-size %d --helix-kvp-chunk-size %d resolves to %s "
                         "(TPA = --tp %d / %d = %d).", kvp, chunk, spelled, n, kvp, n // kvp)  # fmt: skip
             declare(server_args, **layout)
-    elif cfg.dcp_size > 1 and cfg.dcp_replicate_q_proj and cfg.dcp_comm_backend == "a2a" and (
+    elif cfg.dcp_size > 1 and cfg.dcp_replicate_q_proj and cfg.dcp_comm_backend in (None, "a2a") and (
             model_config_of(server_args).attention_arch != AttentionArch.MLA):  # MLA's replicated Q is upstream's
-        logger.info("Decode context parallelism --dcp-size %d --dcp-comm-backend a2a --dcp-replicate-q-proj "
-                    "--dcp-interleave-size %d on a GQA model is Helix parallelism (--helix-kvp-size %d "
-                    "--helix-kvp-chunk-size %d).", cfg.dcp_size, interleave, cfg.dcp_size, interleave)  # fmt: skip
-        declare(server_args, helix_kvp_size=cfg.dcp_size, helix_kvp_chunk_size=interleave)
+        # Replicated Q on a GQA model is the GQA mode whichever exchange DCP's default would pick (fi_a2a on
+        # Blackwell, a2a on CUDA/HIP/XPU, ag_rs on the CPU): one server for every spelling, on every platform.
+        logger.info("Decode context parallelism --dcp-size %d --dcp-replicate-q-proj --dcp-interleave-size %d on a "
+                    "GQA model is Helix parallelism (--helix-kvp-size %d --helix-kvp-chunk-size %d), with "
+                    "--dcp-comm-backend a2a.", cfg.dcp_size, interleave, cfg.dcp_size, interleave)  # fmt: skip
+        declare(server_args, helix_kvp_size=cfg.dcp_size, helix_kvp_chunk_size=interleave, dcp_comm_backend="a2a")
     cfg = resolving_view(server_args)
     if cfg.helix_kvp_size > 1:
         check_unsupported_flags(cfg)  # before DCP's own step refuses some of them with a traceback
         _resolve_kv_page(server_args, cfg)
     elif interleave != 1:
         raise HelixConfigError(f"--dcp-interleave-size {interleave} needs DCP's GQA mode (--dcp-size > 1 "
-                               "--dcp-comm-backend a2a --dcp-replicate-q-proj on a GQA model, i.e. --helix-kvp-size). "
+                               "--dcp-replicate-q-proj on a GQA model, i.e. --helix-kvp-size). "
                                "Drop --dcp-interleave-size.")  # fmt: skip
 
 
