@@ -14,7 +14,9 @@ the cheap test below does so explicitly for one shape.
 Here each specialization is compiled (``triton.compile`` of the kernel's AST, ``ptxas``) for
 ``GPUTarget("cuda", 90, 32)`` (H100) and ``("cuda", 100, 32)`` (B200), in worker processes without
 ``TRITON_INTERPRET``. A compile error fails with the kernel, the specialization and the patch that
-owns it, as does any spill in decode stage 1/2 or static shared memory over the target's limit.
+owns it, as does any spill in decode stage 1/2, static shared memory over the target's limit, or a
+compile without its ``ptxas -v`` registers and spill figures; on the full series no specialization
+may be skipped.
 Upstream's own failure at the CPU harness's tiny shapes (an fp8 ``tl.dot`` at head dim 16, which no
 GPU model has) is expected (``known_upstream_failure``). Results are cached by kernel source hash
 + specialization + target + Triton version under ``~/.cache/sglang-helix/triton-compile``: a
@@ -55,6 +57,39 @@ def test_helix_kernels_compile_for_sm90_and_sm100(compiled):
     assert not bad, f"{len(bad)} problem(s):\n\n" + "\n\n".join(bad)
     done = [r for *_, r in compiled if not r.get("skipped")]
     assert done, "nothing compiled"
+    if FULL_SERIES:  # every specialization is the full series' own launch: none may be skipped
+        skipped = [f"{ts.describe(spec)} for {t}: {r['skipped']}" for spec, t, _, r in compiled if r.get("skipped")]
+        assert not skipped, f"{len(skipped)} compile(s) skipped on the full series:\n" + "\n".join(skipped)
+
+
+def test_a_compile_without_resource_figures_is_a_problem():
+    """A compile whose ``ptxas -v`` log is absent (no registers / spill lines) cannot be checked
+    for spills: it is reported, not passed with ``None`` figures."""
+    spec = ts.load_fixture()[0]
+    figures = {"ok": True, "shared": 0, "regs": 40, "spill_stores": 0, "spill_loads": 0}
+    assert ts.problems([(spec, "sm90", None, figures)]) == []
+    for absent in ("regs", "spill_stores", "spill_loads"):
+        bad = ts.problems([(spec, "sm90", None, {**figures, absent: None})])
+        assert len(bad) == 1 and bad[0].startswith("no resource figures") and absent in bad[0], bad
+
+
+@pytest.mark.skipif(not FULL_SERIES, reason="the check runs against the installed, fully patched tree only")
+def test_a_missing_fixture_fails_the_run(tmp_path):
+    """The end-of-session coverage check (``triton_record``) fails a run without its fixture
+    instead of switching itself off."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HELIX_TRITON_FIXTURE": str(tmp_path / "missing.json")}
+    env.pop("HELIX_TRITON_RECORD", None)
+    env.pop("HELIX_TRITON_CHECK_FIXTURE", None)
+    cmd = [sys.executable, "-m", "pytest", "-p", "sglang_helix.testing.triton_record", "-p", "no:cacheprovider",
+           "--rootdir", str(tmp_path), str(tmp_path / "test_nothing.py")]  # fmt: skip
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "missing.json does not exist" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    env["HELIX_TRITON_CHECK_FIXTURE"] = "0"  # the explicit opt-out
+    assert subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode == 0
 
 
 def test_fixture_covers_the_model_shapes():

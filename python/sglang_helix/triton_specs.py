@@ -569,8 +569,9 @@ def known_upstream_failure(spec: dict, result: dict) -> str | None:
 
 
 def problems(results, allow_known: bool = True) -> list[str]:
-    """Compile errors, spills in decode stage 1/2, shared memory over the limit. An upstream
-    kernel's known failure (``known_upstream_failure``) is not a problem."""
+    """Compile errors, spills in decode stage 1/2, shared memory over the limit, and a compile
+    without its resource figures (no ``ptxas -v`` registers or spill lines: the spill check could
+    not run). An upstream kernel's known failure (``known_upstream_failure``) is not a problem."""
     out = []
     for spec, target, variant, r in results:
         if r.get("skipped"):
@@ -583,6 +584,9 @@ def problems(results, allow_known: bool = True) -> list[str]:
             out.append(f"compile error: {what}; owned by {owner}:\n{r.get('error')}")
             continue
         fn = spec["kernel"].split(":")[1]
+        absent = [k for k in ("regs", "spill_stores", "spill_loads") if r.get(k) is None]
+        if absent:
+            out.append(f"no resource figures ({', '.join(absent)} absent: no ptxas -v log): {what}; owned by {owner}")
         if fn in NO_SPILL and ((r.get("spill_stores") or 0) or (r.get("spill_loads") or 0)):
             out.append(f"spill ({r['spill_stores']} B stores, {r['spill_loads']} B loads): {what}; owned by {owner}")
         if r["shared"] > SHARED_LIMIT[target]:

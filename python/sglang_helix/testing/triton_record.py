@@ -9,6 +9,8 @@
   fails the run, with the kernel, the specialization and the test that launched it, so the
   fixture the compile test compiles cannot go stale. Only against the installed, fully patched
   tree (a per-prefix run of the series imports an earlier tree: its kernels take other arguments).
+  A missing fixture fails the run too (the check cannot run without it);
+  ``HELIX_TRITON_CHECK_FIXTURE=0`` turns the check off explicitly.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def _installed_tree() -> bool:
 def _enabled() -> bool:
     if os.environ.get("HELIX_TRITON_RECORD"):
         return True
-    return os.environ.get("HELIX_TRITON_CHECK_FIXTURE", "1") == "1" and _installed_tree() and FIXTURE.exists()
+    # Not conditional on the fixture existing: without it the check fails the run (below).
+    return os.environ.get("HELIX_TRITON_CHECK_FIXTURE", "1") == "1" and _installed_tree()
 
 
 def pytest_configure(config):
@@ -65,6 +68,11 @@ def pytest_sessionfinish(session, exitstatus):
                 f,
             )
         return
+    if not FIXTURE.exists():
+        _MISSING[:] = [f"the fixture {FIXTURE} does not exist: no launch can be checked against it"]
+        if session.exitstatus == 0:
+            session.exitstatus = 1
+        return
     missing = missing_from_fixture(list(_RECORDER.specs.values()))
     sources = {id(s): _RECORDER.sources.get(k) for k, s in _RECORDER.specs.items()}
     _MISSING[:] = [f"{describe(s)}  (launched by {sources.get(id(s))})" for s in missing]
@@ -76,6 +84,12 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _MISSING:
         terminalreporter.section("Triton specializations missing from the compile fixture", red=True)
+        if not FIXTURE.exists():
+            terminalreporter.write_line(
+                f"{_MISSING[0]}; regenerate it: .venv/bin/python -m sglang_helix.triton_specs record "
+                "(HELIX_TRITON_CHECK_FIXTURE=0 turns the check off)"
+            )
+            return
         terminalreporter.write_line(
             f"{len(_MISSING)} launch(es) of a Helix Triton kernel at a specialization not in {FIXTURE.name}; "
             "regenerate it: .venv/bin/python -m sglang_helix.triton_specs record (then the compile test "
