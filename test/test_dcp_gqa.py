@@ -67,6 +67,117 @@ def test_dcp_q_partition(tp, dcp, replicate, monkeypatch):
         assert (q_tp, group) == (tp, "attn_tp")
 
 
+@pytest.mark.parametrize(
+    "draft,replicate",
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["plain-target", "plain-draft", "replicated-target", "replicated-draft"],
+)
+def test_dcp_kv_partition_heads_match_the_pool(draft, replicate, monkeypatch):
+    """A model's KV heads per rank (``K // kv_tp_size``, as its attention sizes them from
+    ``dcp_kv_partition``) equal what its KV pool stores (``ModelConfig.get_num_kv_heads``). A
+    speculative draft (built in ``draft_model_build_scope``) does not join the DCP group, so its
+    pool keeps ``K / tp`` heads and so must its attention (patch "[DCP] A speculative draft keeps
+    K/tp KV heads"); with replicated Q a draft runs on its target's layout."""
+    import sglang.srt.runtime_context as runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers import linear
+
+    tp, dcp, num_kv_heads = 4, 2, 4
+    parallel = SimpleNamespace(attn_dcp_size=dcp, dcp_replicate_q_proj=replicate, helix_enabled=replicate)
+    monkeypatch.setattr(linear, "get_parallel", lambda: parallel)
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: parallel)
+    monkeypatch.setattr(linear, "get_flags", lambda: SimpleNamespace(moe=SimpleNamespace(in_speculative_scope=draft)))
+    group, kv_tp_size = linear.dcp_kv_partition(tp)
+    config = SimpleNamespace(is_draft_model=draft, get_total_num_kv_heads=lambda: num_kv_heads)
+    assert max(1, num_kv_heads // kv_tp_size) == ModelConfig.get_num_kv_heads(config, tp, dcp)
+    assert (group is None) == (draft and not replicate)
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_fused_kv_write_is_off_under_dcp(dcp, monkeypatch):
+    """CUDA with a bf16 KV cache: the models' fused rope + KV write (``enable_fused_set_kv_buffer``)
+    stores every token at its id, so under ``--dcp-size`` it is off and the attention layer keeps
+    its own write (``save_kv_cache``), which stores only the tokens this rank owns at its rows (the
+    backend's masked write). ForwardBatch sets ``dcp_kv_mask`` on HIP only, so that alone did not
+    turn it off on CUDA (patch "[DCP] The fused rope + KV write is off under DCP")."""
+    from sglang.srt.models import qwen3_moe, utils
+
+    monkeypatch.setattr(utils, "_is_cuda", True)
+    monkeypatch.setattr(utils, "_is_hip", False)
+    monkeypatch.setattr(utils, "get_token_to_kv_pool", lambda: SimpleNamespace(dtype=torch.bfloat16))
+    monkeypatch.setattr(utils, "is_cp_active", lambda forward_batch: False)
+    monkeypatch.setattr(utils, "get_parallel", lambda: SimpleNamespace(attn_dcp_size=dcp))
+    forward_batch = SimpleNamespace(dcp_kv_mask=None)  # CUDA: ForwardBatch leaves it None
+    assert utils.enable_fused_set_kv_buffer(forward_batch) is (dcp == 1)
+
+    # Qwen3-MoE's attention then writes the K/V itself (save_kv_cache) under DCP, and skips it without.
+    calls = []
+    attention = SimpleNamespace(
+        attn=lambda q, k, v, fb, save_kv_cache: calls.append(save_kv_cache) or q,
+        o_proj=lambda x: (x, None),
+        _used_fused_qk_norm_rope_last_call=False,
+        compatible_with_fused_kv_buffer=True,
+    )
+    q = torch.zeros(2, 8)
+    qwen3_moe.Qwen3MoeAttention.forward_core(attention, (q, forward_batch, (q, q, q, forward_batch)))
+    assert calls == [dcp > 1]
+
+
+def _xpu_backend(monkeypatch, dcp_rank: int, replicate_q: bool):
+    from sglang_helix.testing.cpu_env import STUB_DIR
+
+    monkeypatch.syspath_prepend(STUB_DIR)  # the backend imports sgl_kernel's XPU ops
+    from sglang.srt.layers.attention import xpu_backend
+
+    class Group:
+        world_size = 2
+
+        def all_gather(self, *args, **kwargs):
+            raise AssertionError("the DCP group's Q was gathered again")
+
+    backend = object.__new__(xpu_backend.XPUAttentionBackend)
+    backend.dcp_size, backend.dcp_rank, backend.dcp_group = 2, dcp_rank, Group()
+    backend.dcp_comm_backend, backend.dcp_replicate_q = "a2a", replicate_q
+    return xpu_backend, backend
+
+
+@pytest.mark.parametrize("dcp_rank", [0, 1])
+def test_xpu_replicated_q_is_not_gathered_again(dcp_rank, monkeypatch):
+    """``--dcp-replicate-q-proj`` on a GQA model: the layer already holds the DCP group's query
+    heads (``dcp_q_partition``); the XPU backend's DCP decode and extend attend with them as they
+    come and return exact attention for this rank's ``Q / tp`` heads (patch "[DCP] XPU: replicated
+    Q is not gathered again"; before it both gathered Q over the group a second time)."""
+    T, heads, kv_heads, dim = 3, 8, 2, 16  # the group's 8 query heads over 2 KV heads, DCP 2
+    xpu_backend, backend = _xpu_backend(monkeypatch, dcp_rank, replicate_q=True)
+    layer = SimpleNamespace(
+        tp_q_head_num=heads, tp_k_head_num=kv_heads, tp_v_head_num=kv_heads, head_dim=dim, v_head_dim=dim,
+        scaling=dim**-0.5, logit_cap=None,
+    )  # fmt: skip
+    own = slice(dcp_rank * heads // 2, (dcp_rank + 1) * heads // 2)
+    q, k, v = torch.randn(T, heads * dim), torch.randn(T, kv_heads, dim), torch.randn(T, kv_heads, dim)
+
+    # Decode: the partials of the group's heads go to the All-to-All, which returns this rank's.
+    seen = {}
+
+    def partial(q_all, layer, cu_seqlens_q, max_seqlen_q):
+        seen["heads"] = q_all.shape[1]
+        return q_all.clone(), torch.zeros(q_all.shape[:2])
+
+    monkeypatch.setattr(backend, "_dcp_partial_paged_attn", partial, raising=False)
+    monkeypatch.setattr(xpu_backend, "_dcp_a2a_merge", lambda out, lse, group, bufs: out[:, own])
+    backend.forward_metadata = SimpleNamespace(cu_seqlens_q=None)
+    out = backend._forward_decode_dcp(q, layer, None)
+    assert seen["heads"] == heads
+    assert torch.equal(out, q.view(T, heads, dim)[:, own].reshape(T, -1))  # [T, Q/tp * Dv]
+
+    # Extend of one token per request over no prefix: this rank's heads over every KV head.
+    backend.forward_metadata = SimpleNamespace(max_seq_len_q=1)
+    fb = SimpleNamespace(extend_prefix_lens_cpu=[0] * T)
+    out = backend._forward_extend_dcp(q, k, v, layer, fb, True, None)
+    expected = v.repeat_interleave(heads // kv_heads, dim=1)[:, own]  # softmax over one key: its value
+    assert torch.equal(out, expected.reshape(T, -1))
+
+
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                   "Qwen3MoeForCausalLM", "MixtralForCausalLM"])  # fmt: skip
 def test_kv_partition_models_declare_it(arch):
@@ -164,6 +275,7 @@ _CAPACITY = ["--max-total-tokens", "128"]
 # (no --dcp-comm-backend: replicated Q on a GQA model picks the All-to-All on every platform, the CPU's
 # default ag_rs included; test_helix_args.py resolves it for every platform's default)
 _REPLICATED_Q = ["--dcp-size", "2", "--dcp-replicate-q-proj", "--max-total-tokens", "192"]
+_REPLICATED_Q_A2A = ["--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj", "--max-total-tokens", "192"]
 CASES = [
     # (id, backend, args, default run)
     # (dcp4 joined the full tier on 2026-11-26 to keep the default run under 40 min; its layout
@@ -172,7 +284,10 @@ CASES = [
     ("dcp2-a2a", "torch_native", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--max-total-tokens", "192"], False),
     # replicated Q: Helix's layout (at interleave 1) with DCP's own flags, one All-to-All a layer
     ("dcp2-rq", "torch_native", ["--tp", "4"] + _REPLICATED_Q, True),
-    ("dcp2-rq-triton", "triton", ["--tp", "4"] + _REPLICATED_Q, False),
+    # the same with the exchange named (what the replicated-Q patch's prefix serves: the GQA mode's
+    # resolution, which picks the exchange, comes later in the series)
+    ("dcp2-rq-a2a", "torch_native", ["--tp", "4"] + _REPLICATED_Q_A2A, False),
+    ("dcp2-rq-triton", "triton", ["--tp", "4"] + _REPLICATED_Q_A2A, False),
     # upstream's own Triton DCP (interpreted: ~5 min a server), with the series' K/V partition
     ("dcp4-triton", "triton", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, False),
 ]

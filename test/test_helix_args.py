@@ -454,48 +454,39 @@ def test_final_values_are_checked(model, field, value, message):
 # --------------------------------------------------------------------------------------------
 # What Helix switches off, and what it resolves
 # --------------------------------------------------------------------------------------------
-def test_helix_keeps_the_radix_cache_and_switches_off_cuda_graphs(model):
+def test_helix_keeps_the_radix_cache_and_decode_cuda_graphs(model):
+    """Decode CUDA graphs stay on under Helix, as under upstream DCP (the Triton decode step is
+    captured); prefill graphs are switched off (the extend lists are sized on the host), with a
+    warning only when they were on."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     # Upstream defaults: radix cache on, CUDA graphs on (decode; prefill too on some platforms).
-    plain = view(resolve(model(), ["--tp", "4", "--attention-backend", "triton"]))
-    assert plain.disable_radix_cache is False
-    graphs_on = [
-        phase
-        for phase in ("decode", "prefill")
-        if getattr(plain.cuda_graph_config, phase).backend != Backend.DISABLED
-    ]
-    assert "decode" in graphs_on
-
-    with helix_log() as records:
-        cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton"]))
-    assert cfg.disable_radix_cache is False  # prefix reuse in whole KV pages (test_helix_prefix_cache.py)
-    assert cfg.disable_cuda_graph is True
-    assert cfg.cuda_graph_config.decode.backend == Backend.DISABLED
-    assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
-    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert warnings == [
-        f"Helix parallelism (--helix-kvp-size 2): disabling CUDA graphs ({', '.join(graphs_on)}); "
-        "pass --helix-enable-cuda-graph to keep decode graphs (unverified on GPUs).",
-    ]
-
-
-def test_helix_enable_cuda_graph_keeps_decode_graphs_only(model):
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
     args = ["--tp", "4", "--attention-backend", "triton"]
     plain = view(resolve(model(), args))
+    assert plain.disable_radix_cache is False
+    assert plain.cuda_graph_config.decode.backend != Backend.DISABLED
+    prefill_on = plain.cuda_graph_config.prefill.backend != Backend.DISABLED
+
     with helix_log() as records:
-        cfg = view(resolve(model(), [*args, "--helix-kvp-size", "2", "--helix-enable-cuda-graph"]))
+        cfg = view(resolve(model(), [*args, "--helix-kvp-size", "2"]))
+    assert cfg.disable_radix_cache is False  # prefix reuse in whole KV pages (test_helix_prefix_cache.py)
     assert cfg.disable_cuda_graph is False
-    assert cfg.cuda_graph_config.decode.backend == plain.cuda_graph_config.decode.backend != Backend.DISABLED
+    assert cfg.cuda_graph_config.decode.backend == plain.cuda_graph_config.decode.backend
     assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    prefill_on = plain.cuda_graph_config.prefill.backend != Backend.DISABLED
     assert warnings == [
-        "Helix parallelism (--helix-kvp-size 2): disabling CUDA graphs (prefill); prefill graphs are "
-        "not supported under Helix."
+        "Helix parallelism (--helix-kvp-size 2): disabling prefill CUDA graphs (the extend lists are sized "
+        "on the host); decode graphs stay on."
     ] * prefill_on
+
+
+def test_disable_cuda_graph_turns_helix_decode_graphs_off(model):
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton",
+                                 "--disable-cuda-graph"]))  # fmt: skip
+    assert cfg.disable_cuda_graph is True
+    assert cfg.cuda_graph_config is None or cfg.cuda_graph_config.decode.backend == Backend.DISABLED
 
 
 def test_no_warning_when_already_off(model):
@@ -793,8 +784,9 @@ def test_help_documents_flags(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--helix-kvp-size HELIX_KVP_SIZE", "--helix-kvp-chunk-size HELIX_KVP_CHUNK_SIZE",
-                 "--dcp-interleave-size DCP_INTERLEAVE_SIZE", "--helix-enable-cuda-graph"):  # fmt: skip
+                 "--dcp-interleave-size DCP_INTERLEAVE_SIZE"):  # fmt: skip
         assert f"  {flag}\n" in out  # a documented option, not only the usage line
+    assert "--helix-enable-cuda-graph" not in out  # decode graphs are on by default, as DCP's
 
     def squeeze(text):  # argparse wraps help text at any space or hyphen
         return "".join(text.split())
@@ -803,7 +795,6 @@ def test_help_documents_flags(capsys):
         "1 (the default) disables Helix.",
         "the same as --dcp-size KVP --dcp-comm-backend a2a --dcp-replicate-q-proj --dcp-interleave-size CHUNK",
         "the token at position p is stored on KVP rank (p // chunk) mod KVP (--dcp-interleave-size).",
-        "Not yet verified in a multi-GPU server.",
     ):
         assert squeeze(phrase) in squeeze(out)
     # The reasons behind the defaults live in docs/helix-flags.md, not in --help.
@@ -957,31 +948,17 @@ def test_speculative_refusals(model, extra, feature, given, fix, why):
     assert message == _unsupported(feature, given, fix, why)
 
 
-def test_speculation_keeps_decode_graphs_with_helix_enable_cuda_graph(model):
-    """Speculation with --helix-enable-cuda-graph is accepted: the draft's decode steps are captured
-    (their lists fill in the graph); the verify and draft extend run eagerly (the series' last patch)."""
+def test_speculation_keeps_decode_graphs(model):
+    """Speculation keeps decode CUDA graphs on: the draft's decode steps are captured (their lists
+    fill in the graph); the verify and draft extend run eagerly (the draft-graph patch)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     for topk in (1, 2):
-        args = ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(), topk), "--attention-backend", "triton",
-                "--helix-enable-cuda-graph"]  # fmt: skip
+        args = ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(), topk), "--attention-backend", "triton"]
         cfg = view(resolve(model(), args))
         assert cfg.disable_cuda_graph is False and cfg.cuda_graph_config.decode.backend != Backend.DISABLED
         assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
         assert (cfg.speculative_algorithm, cfg.speculative_eagle_topk) == ("STANDALONE", topk)
-
-
-def test_speculation_in_graphs_is_refused_before_the_draft_graph_patch(model, monkeypatch):
-    """A series prefix without the draft-graph patch (the Triton draft backend does not opt in):
-    speculation with --helix-enable-cuda-graph is refused in one line."""
-    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
-
-    monkeypatch.delattr(TritonMultiStepDraftBackend, "supports_helix_graphs")
-    args = ["--tp", "4", "--helix-kvp-size", "2", *_spec(model()), "--attention-backend", "triton",
-            "--helix-enable-cuda-graph"]  # fmt: skip
-    message = helix_error(model(), args)
-    assert message == _unsupported("speculative decoding in CUDA graphs yet", "--helix-enable-cuda-graph",
-                                   "Drop --helix-enable-cuda-graph", "")  # fmt: skip
 
 
 @pytest.mark.parametrize(

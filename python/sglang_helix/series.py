@@ -468,8 +468,16 @@ PREFIX_TESTS = {
         "test/test_helix_groups.py", "test/test_dcp_gqa.py", "-k", "real_gloo or cpu_platform",
     ],
     "[DCP] GQA: replicated Q with the All-to-All (--dcp-replicate-q-proj)": [
-        "test/test_dcp_gqa.py", "-k", "q_partition or rq",  # full tier: dcp2-rq-triton too (~3 min), this patch's Triton branch
+        # (the exchange named: without it replicated Q is the GQA mode's resolution, later in the series)
+        "test/test_dcp_gqa.py", "-k", "q_partition or rq-a2a or rq-triton",  # full tier: dcp2-rq-triton (~3 min)
     ],
+    "[DCP] A speculative draft keeps K/tp KV heads: it does not join the DCP group": [
+        "test/test_dcp_gqa.py", "-k", "heads_match_the_pool and not replicated-draft",  # (that one: the Helix draft patch's)
+    ],
+    "[DCP] The fused rope + KV write is off under DCP on every platform": [
+        "test/test_dcp_gqa.py", "-k", "fused_kv_write",
+    ],
+    "[DCP] XPU: replicated Q is not gathered again": ["test/test_dcp_gqa.py", "-k", "xpu_replicated_q"],
     "[DCP] torch_native: decode context parallelism": [
         "test/test_dcp_gqa.py", "-k", "torch_attention or (dcp4 and not triton)",
     ],
@@ -509,15 +517,15 @@ PREFIX_TESTS = {
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
     "[Helix] EAGLE: the Llama draft head opts in as a draft": [
-        "test/test_helix_args.py", "test/test_helix_spec_attention.py", "-m", "not e2e", "-k", "speculative",
+        "test/test_helix_args.py", "test/test_helix_spec_attention.py", "-m", "not e2e", "-k",
+        "speculative or speculation_keeps",
     ],
     "[CPU] Disaggregation: prefill/decode disaggregation on the CPU engine": [
         "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
     ],
     _PD_RELAYOUT: ["test/test_helix_pd.py", "-m", "not e2e"],
     "[Helix] Speculation: draft decode steps in CUDA graphs": [
-        "test/test_helix_decode_graph.py", "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "capture_replay or speculation_keeps or speculation_in_graphs",
+        "test/test_helix_decode_graph.py", "-m", "not e2e", "-k", "capture_replay",
     ],
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,

@@ -6,7 +6,8 @@
 
 ``resolve_helix_layout`` (before DCP's step) declares either spelling from the other; ``handle_helix_parallelism``
 (after the CUDA graph step, again at the end) refuses what Helix does not run with and resolves the attention
-backend, CUDA graphs and the KV page (``page_size`` C: DCP allocates C x K, one chunk per rank)."""
+backend, prefill CUDA graphs (off; decode graphs stay on) and the KV page (``page_size`` C: DCP allocates C x K,
+one chunk per rank)."""
 
 from __future__ import annotations
 
@@ -142,13 +143,6 @@ def helix_architectures(drafts: bool = False) -> list:
     return sorted(a for a, cls in ModelRegistry.models.items() if any(vars(cls).get(k) for k in keys))
 
 
-def helix_draft_graphs() -> bool:
-    """The Triton draft backend captures Helix draft steps (``supports_helix_graphs``, in its body)."""
-    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
-
-    return bool(vars(TritonMultiStepDraftBackend).get("supports_helix_graphs"))
-
-
 def _resolve_attention_backend(server_args: Any, cfg: Any) -> None:
     """One Helix backend for both phases (not a HybridAttnBackend); unset: a split flag's, else the platform's."""
     fields = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
@@ -167,19 +161,12 @@ def _resolve_attention_backend(server_args: Any, cfg: Any) -> None:
 
 
 def _switch_off_cuda_graphs(server_args: Any, cfg: Any) -> None:
-    """Prefill graphs off (host-sized extend lists); decode's too, unless --helix-enable-cuda-graph keeps them."""
-    graphs, keep = cfg.cuda_graph_config, cfg.helix_enable_cuda_graph
-    on = [p for p in Phase.ALL if graphs is not None and getattr(graphs, p).backend != Backend.DISABLED]
-    off = [p for p in on if not (keep and p == Phase.DECODE)]
-    if off:
-        logger.warning("Helix parallelism (--helix-kvp-size %d): disabling CUDA graphs (%s); %s.", cfg.helix_kvp_size,
-                       ", ".join(off), "prefill graphs are not supported under Helix" if keep else
-                       "pass --helix-enable-cuda-graph to keep decode graphs (unverified on GPUs)")  # fmt: skip
-        for phase in off:
-            graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
-        declare(server_args, cuda_graph_config=graphs)
-    if not (keep and Phase.DECODE in on) and not cfg.disable_cuda_graph:
-        declare(server_args, disable_cuda_graph=True)
+    """Prefill graphs off (host-sized extend lists); decode graphs stay on, as under upstream DCP."""
+    graphs = cfg.cuda_graph_config
+    if graphs is not None and graphs.prefill.backend != Backend.DISABLED:
+        logger.warning("Helix parallelism (--helix-kvp-size %d): disabling prefill CUDA graphs (the extend lists "
+                       "are sized on the host); decode graphs stay on.", cfg.helix_kvp_size)  # fmt: skip
+        declare(server_args, cuda_graph_config=with_phase(graphs, Phase.PREFILL, backend=Backend.DISABLED))
 
 
 def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
@@ -293,8 +280,8 @@ def check_disaggregation(cfg: Any) -> None:
 
 
 def check_speculative(cfg: Any) -> None:
-    """EAGLE / STANDALONE drafts (chains and trees) and NGRAM on Helix backends, of Helix models; with
-    --helix-enable-cuda-graph the draft's decode steps are captured, the verify runs eagerly."""
+    """EAGLE / STANDALONE drafts (chains and trees) and NGRAM on Helix backends, of Helix models; the
+    draft's decode steps are captured in CUDA graphs, the verify runs eagerly."""
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     alg, backend = cfg.speculative_algorithm, cfg.speculative_draft_attention_backend
@@ -307,9 +294,6 @@ def check_speculative(cfg: Any) -> None:
         unsupported(cfg, "this draft attention backend", [f"--speculative-draft-attention-backend {backend}"],
                     "Use triton or torch_native, or drop the flag")  # fmt: skip
     check_unsupported_flags(cfg, SPEC_UNSUPPORTED)
-    if cfg.helix_enable_cuda_graph and not helix_draft_graphs():  # the series' draft-graph patch
-        unsupported(cfg, "speculative decoding in CUDA graphs yet", ["--helix-enable-cuda-graph"],
-                    "Drop --helix-enable-cuda-graph")  # fmt: skip
     path, override = cfg.speculative_draft_model_path, (cfg.decrypted_draft_config_file or "").strip()
     if not path:
         return

@@ -355,9 +355,9 @@ class HelixDecodeState:
         index buffer (1/KVP of upstream's rows), which the backend may hold as its own."""
         if self.kvp_rank == 0:
             logger.warning(
-                "Helix: capturing the decode step in CUDA graphs (--helix-enable-cuda-graph). Replay "
-                "equals eager on the CPU harness and for the kernels on one GPU; not yet verified in a "
-                "multi-GPU server."
+                "Helix: capturing the decode step in CUDA graphs (--disable-cuda-graph runs it eagerly). "
+                "Replay equals eager on the CPU harness and for the kernels on one GPU; not yet verified "
+                "in a multi-GPU server."
             )
         graph = self.graph
         if graph is None or graph.max_bs < max_bs or graph.capacity < self._capacity(max_bs, max_context_len):
