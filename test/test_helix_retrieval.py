@@ -16,7 +16,8 @@ prompts meet the radix cache (their text up to the key is a prefix of the first 
 Tiers (conftest.py): the default run serves plain ``--tp 3`` and ``--tp 3 --helix-kvp-size 3``
 (K = N = 3, TPA 1: each rank holds every KV head and a third of the sequence) on torch_native,
 keys at 10 %, 50 % and 90 % depth of a ~2K-token prompt and at 50 % of a ~4K-token one, one server each.
-``HELIX_TEST_FULL=1`` adds ``--tp 6 --helix-kvp-size 2`` (N > K: TPA 3, where Helix saves KV bytes),
+``HELIX_TEST_FULL=1`` adds ``--tp 9 --helix-kvp-size 3`` (N > K: TPA 3, where Helix saves KV bytes;
+``--tp 6 --helix-kvp-size 2`` is refused for this model, 9 query heads over 6 ranks),
 DCP's own spelling (``--dcp-size 3 --dcp-comm-backend a2a --dcp-replicate-q-proj``: chunk 1),
 prefill in chunks that straddle ownership chunks (``--chunked-prefill-size 100``, chunk 64), keys
 at 10 % and 90 % of ~4K tokens, prompts near the model's 8K context, and the triton backend
@@ -94,7 +95,10 @@ def assert_matches(ref: dict, got: dict, what: str):
 # (id, server args, backend, prompt set, default run)
 CASES = [
     ("tp3-kvp3", ["--tp", "3", "--helix-kvp-size", "3"], "torch_native", DEFAULT_SET, True),
-    ("tp6-kvp2", ["--tp", "6", "--helix-kvp-size", "2"], "torch_native", DEFAULT_SET, False),
+    # N > K: TPA 3, one KV head per TPA rank, the sequence over 3 KVP ranks (plain --tp 9 would hold
+    # each KV head three times). The issue's --tp 6 --helix-kvp-size 2 is refused at launch for this
+    # model: 9 query heads do not divide over 6 ranks after the All-to-All (N must divide Q = 9).
+    ("tp9-kvp3", ["--tp", "9", "--helix-kvp-size", "3"], "torch_native", DEFAULT_SET, False),
     ("tp3-dcp3-a2a-replicate-q", ["--tp", "3", "--dcp-size", "3", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj"],
      "torch_native", DEFAULT_SET, False),
     ("tp3-kvp3-chunked-prefill-100", ["--tp", "3", "--helix-kvp-size", "3", "--chunked-prefill-size", "100"],
