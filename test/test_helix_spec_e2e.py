@@ -23,8 +23,8 @@ chain crosses an ownership boundary.
 
 Checked (default tier, one Helix server): greedy tokens and logprobs equal plain TP's (no
 speculation) over the batched ``/generate``, the OpenAI probe (completions, stream, chat, streamed
-chat) and the ~300-token prompt; the accept length is reported and > 1 (the target as its own
-draft), and per prompt the verifies and accepted drafts equal plain TP + the same speculation's
+chat) and the ~300-token prompt; the accept length is reported and at least the documented floor of
+the target as its own draft (``STANDALONE_CHAIN_FLOOR``, 1.3; 1.71 measured), and per prompt the verifies and accepted drafts equal plain TP + the same speculation's
 (the draft under Helix proposes the same tokens); a sampled request runs; an aborted and a disconnected stream; then upstream's KV checks on every
 rank (``kv_checks.DEBUG_ENV``): none fired, and every rank's free count after the run equals its
 count at startup. Full tier: EAGLE, KVP 4, triton (STANDALONE and EAGLE, interpreted kernels;
@@ -46,6 +46,7 @@ from sglang_helix.testing.kv_checks import DEBUG_ENV, busy_counts, fired_checks,
 from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_generation, assert_same_probe, long_completion, probe
 from test_helix_kv_leak import _stream_generate_then_abort, _stream_then_close
 from test_spec_baseline_e2e import (
+    STANDALONE_CHAIN_FLOOR,
     assert_generate_matches,
     assert_speculated,
     assert_ngram_run,
@@ -138,7 +139,7 @@ def test_helix_standalone_serves_plain_tp_tokens(model_dir, server_log_dir):
     assert_generate_matches(ref["probe"].completions, got["generate"], model, "Helix STANDALONE")
     assert_same_probe(ref["probe"], got["probe"], LOGPROB_ATOL, "Helix STANDALONE")
     assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, "Helix STANDALONE long prompt")
-    assert assert_speculated(got["generate"], "Helix KVP 2 STANDALONE") > 1.0
+    assert assert_speculated(got["generate"], "Helix KVP 2 STANDALONE") >= STANDALONE_CHAIN_FLOOR
     # The draft under Helix proposes what plain TP's draft proposes: the same accepted drafts and
     # verifies per prompt as plain TP + the same speculation (test_spec_baseline_e2e's run).
     plain_spec = run_workload(model, spec_args("STANDALONE", model), BACKEND, server_log_dir, generate)
@@ -207,7 +208,10 @@ def test_helix_tree_draft_serves_plain_tp_tokens(model_dir, server_log_dir, kvp,
 @pytest.mark.parametrize("kvp, backend", [(2, BACKEND), (4, BACKEND)])
 def test_helix_ngram_serves_plain_tp_tokens(model_dir, server_log_dir, kvp, backend):
     """NGRAM (no draft model; upstream's n-gram corpus proposes trees of up to 6 tokens from the
-    tokens it has seen; the batch runs twice, so the second round's drafts are accepted) under Helix at the default chunk (64: NGRAM's tree on a paged
+    tokens it has seen; the batch runs twice, so the second round's drafts are accepted: they are
+    round 1's answers to the same prompts, read back from the corpus, so the accept length above
+    1.5 proves the verify accepts and moves a correct tree path, not that NGRAM predicts) under
+    Helix at the default chunk (64: NGRAM's tree on a paged
     pool): the verify takes the tree path (tree mask by owner, accepted path moved across ranks).
     Plain TP's tokens and logprobs; per prompt the verifies and accepted drafts of plain TP + NGRAM
     (the corpus sees the same tokens); every rank's KV back after the run."""
@@ -228,7 +232,7 @@ def test_helix_kvp4_standalone_serves_plain_tp_tokens(model_dir, server_log_dir)
     model = model_dir(GQA)
     got, before, after = run_checked(model, helix_spec_args("STANDALONE", model, 4), server_log_dir, generate)
     assert_generate_matches(ref["probe"].completions, got, model, "Helix KVP 4 STANDALONE")
-    assert assert_speculated(got, "Helix KVP 4 STANDALONE") > 1.0
+    assert assert_speculated(got, "Helix KVP 4 STANDALONE") >= STANDALONE_CHAIN_FLOOR
     assert_every_rank_back(before, after, 4)
 
 
@@ -254,7 +258,8 @@ def test_helix_triton_serves_plain_tp_tokens(model_dir, server_log_dir, eagle_dr
     assert_generate_matches(ref["probe"].completions, got["generate"], model, what)
     assert_same_generation(ref["long"], got["long"], LOGPROB_ATOL, what + " long prompt")
     length = assert_speculated(got["generate"], what)
-    assert length > (1.0 if algorithm == "STANDALONE" else 1.5)  # drafts accepted (EAGLE: the fitted head)
+    floor_ok = length >= STANDALONE_CHAIN_FLOOR if algorithm == "STANDALONE" else length > 1.5  # EAGLE: the fitted head
+    assert floor_ok, f"{what}: accept length {length:.2f}"
     for r in got["sampled"]:
         assert r["meta_info"]["completion_tokens"] == 12 and r["meta_info"].get("spec_verify_ct", 0) > 0, r["meta_info"]
     plain_spec = run_workload(model, spec_args(algorithm, draft), BACKEND, server_log_dir, generate)

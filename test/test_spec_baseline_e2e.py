@@ -26,7 +26,12 @@ The accept length with the target as its own draft is not 4 (every draft accepte
 upstream's STANDALONE worker reuses EAGLE's shifted draft stream (the draft sees token t + 1 at
 position t, and never the prompt's first token), so the draft is the target model on a sequence
 one token shorter, and on these tiny models with sharp attention that changes its picks. The
-draft's picks were checked against transformers on that shifted sequence (identical).
+draft's picks were checked against transformers on that shifted sequence (identical). Measured on
+the default run's chain (2026-11-27): 1.71 over the batch (65 tokens in 38 verifies; per prompt
+1.33-2.67), and Helix's chain has the same counts per prompt (asserted). The STANDALONE chain tests
+assert at least ``STANDALONE_CHAIN_FLOOR`` = 1.3, not only > 1: a degraded draft (the target with
+Gaussian noise of 0.4x each layer weight's std) measured 1.13, a same-shape model with other random
+weights 1.00 (issue 48's mutations).
 
 Triton runs interpreted (``TRITON_INTERPRET=1``): a speculative step is ~4 interpreted forwards
 per rank, so those servers take ~400 s each on a 2-core machine and are marked ``full``
@@ -55,6 +60,8 @@ from sglang_helix.testing.openai_probe import (
 
 TP = 4
 STEPS, TOPK, DRAFT_TOKENS = 3, 1, 4
+# The documented floor of the target-as-its-own-draft chain's accept length (module docstring).
+STANDALONE_CHAIN_FLOOR = 1.3
 SPEC_FIELDS = ("spec_verify_ct", "spec_accept_length", "spec_num_correct_drafts", "spec_num_proposed_drafts")
 
 
@@ -165,12 +172,12 @@ def assert_speculated(results: list[dict], what: str) -> float:
 @FULL
 def test_standalone_triton_matches_plain_tp(model_dir, server_log_dir):
     """STANDALONE, the target as its own draft, triton: plain TP's greedy tokens and logprobs,
-    and drafts really accepted (accept length > 1)."""
+    and drafts really accepted (accept length at least ``STANDALONE_CHAIN_FLOOR``)."""
     ref = reference(model_dir, server_log_dir)
     model = model_dir(GQA)
     got = run_workload(model, spec_args("STANDALONE", model), "triton", server_log_dir, generate)
     assert_generate_matches(ref["probe"].completions, got, model, "STANDALONE triton")
-    assert assert_speculated(got, "STANDALONE triton") > 1.0
+    assert assert_speculated(got, "STANDALONE triton") >= STANDALONE_CHAIN_FLOOR
 
 
 def spec_probe(base_url):
@@ -204,12 +211,13 @@ def test_eagle_triton_matches_plain_tp(model_dir, server_log_dir, eagle_draft):
 def test_standalone_torch_native_matches_plain_tp(model_dir, server_log_dir):
     """The series' torch_native draft decode and target verify (upstream 0.5.23 stopped at start:
     "EAGLE is not supported in decode attention backend torch_native"): STANDALONE, the target
-    as its own draft, serves plain TP's greedy tokens and logprobs, drafts accepted."""
+    as its own draft, serves plain TP's greedy tokens and logprobs, drafts accepted (accept length
+    at least ``STANDALONE_CHAIN_FLOOR``; 1.71 measured)."""
     ref = reference(model_dir, server_log_dir)
     model = model_dir(GQA)
     got = run_workload(model, spec_args("STANDALONE", model), "torch_native", server_log_dir, generate)
     assert_generate_matches(ref["probe"].completions, got, model, "STANDALONE torch_native")
-    assert assert_speculated(got, "STANDALONE torch_native") > 1.0
+    assert assert_speculated(got, "STANDALONE torch_native") >= STANDALONE_CHAIN_FLOOR
 
 
 @pytest.mark.e2e
@@ -234,7 +242,11 @@ def ngram_args(draft_tokens: int = 6) -> list[str]:
 def ngram_run(base_url: str) -> dict:
     """The batched ``/generate`` twice: the corpus NGRAM drafts from holds the first round's
     outputs when the second runs, so the second round's drafts are accepted (a random tiny model
-    rarely repeats its prompt's n-grams within one answer)."""
+    rarely repeats its prompt's n-grams within one answer). The second round asks the same
+    prompts greedily, so its drafts are round 1's answers read back from the corpus: its accept
+    length shows that the tree verify accepts a correct draft and moves the accepted path, not
+    that NGRAM predicts anything (on random prompts it was 1.0-1.03:
+    ``benchmark/results/cpu-decode-spec-32k.json``)."""
     return {"first": generate(base_url), "second": generate(base_url)}
 
 
@@ -252,7 +264,8 @@ def test_ngram_torch_native_matches_plain_tp(model_dir, server_log_dir, page_siz
     tree indices in torch, the CPU NGRAM patch): its verify mask is FULL_MASK where the backend reads
     it so (the tree-mask patch; 0.5.23 kept the qlen x qlen mask on every CPU server), and
     torch_native reads each token's row at any page size: plain TP's greedy tokens and logprobs in
-    both rounds, the second round's drafts accepted."""
+    both rounds, the second round's drafts accepted (they are round 1's answers to the same
+    prompts, from the corpus: ``ngram_run``)."""
     ref = reference(model_dir, server_log_dir)
     model = model_dir(GQA)
     got = run_workload(model, ngram_args() + ["--page-size", str(page_size)], "torch_native", server_log_dir, ngram_run)
