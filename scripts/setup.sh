@@ -56,7 +56,7 @@ if [ -z "$installed" ]; then
 fi
 
 # Test dependencies and our own tooling package (python/sglang_helix), editable.
-if ! "$VENV/bin/python" -c "import pytest, openai, psutil, tokenizers, safetensors, accelerate, sglang_helix" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import pytest, openai, psutil, tokenizers, safetensors, accelerate, black, isort, sglang_helix" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
 fi
 

@@ -50,7 +50,10 @@ def decode_head_rank(tp_rank: int, attn_tp_size: int, dcp_size: int) -> tuple:
 
 
 def prefill_ranks_for_decode(
-    decode_tp_rank: int, decode_attn_tp_size: int, dcp_size: int, prefill_attn_tp_size: int
+    decode_tp_rank: int,
+    decode_attn_tp_size: int,
+    dcp_size: int,
+    prefill_attn_tp_size: int,
 ) -> PrefillRanks:
     """The prefill ranks that hold the head slice of decode rank ``decode_tp_rank``."""
     head_rank, tpa = decode_head_rank(decode_tp_rank, decode_attn_tp_size, dcp_size)
@@ -60,10 +63,16 @@ def prefill_ranks_for_decode(
             f"PD decode DCP: a prefill --tp {p} and decode heads over --tp {decode_attn_tp_size} / "
             f"--dcp-size {dcp_size} = {tpa} ranks must divide one another"
         )
-    if p >= tpa:  # P / TPA prefill ranks each give part of the slice; each serves one DCP group
+    if (
+        p >= tpa
+    ):  # P / TPA prefill ranks each give part of the slice; each serves one DCP group
         per = p // tpa
-        return PrefillRanks(list(range(head_rank * per, (head_rank + 1) * per)), dcp_size, per)
-    per = tpa // p  # one prefill rank holds the slices of `per` head ranks, each a DCP group
+        return PrefillRanks(
+            list(range(head_rank * per, (head_rank + 1) * per)), dcp_size, per
+        )
+    per = (
+        tpa // p
+    )  # one prefill rank holds the slices of `per` head ranks, each a DCP group
     return PrefillRanks([head_rank // per], per * dcp_size, 1)
 
 
@@ -79,8 +88,13 @@ def token_slice(
     head. Heads are contiguous in a token item, so a head slice is a byte range of the model's
     ``K * head_bytes``; a prefill with ``P > K`` holds replicas (rank ``r`` has slice ``r // (P / K)``),
     the decode has none (``TPA <= K``)."""
-    src_span, dst_span = src_token_bytes * src_attn_tp_size, dst_token_bytes * dst_head_tp_size
-    src_rank = src_tp_rank // max(1, src_span // dst_span)  # its slice among the distinct ones
+    src_span, dst_span = (
+        src_token_bytes * src_attn_tp_size,
+        dst_token_bytes * dst_head_tp_size,
+    )
+    src_rank = src_tp_rank // max(
+        1, src_span // dst_span
+    )  # its slice among the distinct ones
     src_start, dst_start = src_rank * src_token_bytes, dst_head_rank * dst_token_bytes
     start = max(src_start, dst_start)
     end = min(src_start + src_token_bytes, dst_start + dst_token_bytes)
@@ -101,25 +115,34 @@ def transfer_blocks(
     """``(src address, dst address, bytes)`` blocks moving each listed token's slice of every KV
     entry (a layer's K or V buffer): ``src_tokens`` / ``dst_tokens`` ``[T]`` are rows of the prefill
     and the decode pool. A whole-token slice moves runs of consecutive rows as one block (a DCP
-    rank's tokens come in runs of its interleave size), a partial one a block per token."""
-    src_tokens, dst_tokens = np.asarray(src_tokens, np.int64), np.asarray(dst_tokens, np.int64)
+    rank's tokens come in runs of its interleave size), a partial one a block per token.
+    """
+    src_tokens, dst_tokens = np.asarray(src_tokens, np.int64), np.asarray(
+        dst_tokens, np.int64
+    )
     if src_tokens.size == 0:
         return []
     breaks = np.flatnonzero((np.diff(src_tokens) != 1) | (np.diff(dst_tokens) != 1)) + 1
     run_starts = np.concatenate([[0], breaks])
     run_lens = np.diff(np.concatenate([run_starts, [src_tokens.size]]))
     blocks: List[Tuple[int, int, int]] = []
-    for src_ptr, dst_ptr, src_bytes, dst_bytes, cut in zip(src_ptrs, dst_ptrs, src_token_bytes, dst_token_bytes, slices):
+    for src_ptr, dst_ptr, src_bytes, dst_bytes, cut in zip(
+        src_ptrs, dst_ptrs, src_token_bytes, dst_token_bytes, slices
+    ):
         if cut is None:
             continue
         if cut.copy_bytes == src_bytes == dst_bytes:  # the whole token: runs
             src = src_ptr + src_tokens[run_starts] * src_bytes
             dst = dst_ptr + dst_tokens[run_starts] * dst_bytes
-            blocks.extend(zip(src.tolist(), dst.tolist(), (run_lens * src_bytes).tolist()))
+            blocks.extend(
+                zip(src.tolist(), dst.tolist(), (run_lens * src_bytes).tolist())
+            )
         else:
             src = src_ptr + src_tokens * src_bytes + cut.src_offset
             dst = dst_ptr + dst_tokens * dst_bytes + cut.dst_offset
-            blocks.extend((s, d, cut.copy_bytes) for s, d in zip(src.tolist(), dst.tolist()))
+            blocks.extend(
+                (s, d, cut.copy_bytes) for s, d in zip(src.tolist(), dst.tolist())
+            )
     return blocks
 
 
@@ -147,9 +170,12 @@ def head_slice_blocks(
     src_bytes = [n // page_size for n in src_item_lens]
     dst_bytes = [n // page_size for n in dst_item_lens]
     cuts = [
-        token_slice(s, src_tp_rank, src_attn_tp_size, d, head_rank, head_tp) for s, d in zip(src_bytes, dst_bytes)
+        token_slice(s, src_tp_rank, src_attn_tp_size, d, head_rank, head_tp)
+        for s, d in zip(src_bytes, dst_bytes)
     ]
-    return transfer_blocks(src_ptrs, dst_ptrs, src_bytes, dst_bytes, cuts, src_tokens, dst_tokens)
+    return transfer_blocks(
+        src_ptrs, dst_ptrs, src_bytes, dst_bytes, cuts, src_tokens, dst_tokens
+    )
 
 
 def layout_mismatch(
@@ -171,13 +197,19 @@ def layout_mismatch(
     for s, d in zip(src_item_lens, dst_item_lens):
         s, d = s // page_size, d // page_size
         src_span, dst_span = s * src_attn_tp_size, d * tpa
-        if src_span == dst_span or (replicated_heads and src_span > dst_span and src_span % dst_span == 0):
+        if src_span == dst_span or (
+            replicated_heads and src_span > dst_span and src_span % dst_span == 0
+        ):
             continue
         return (
             f"PD decode DCP (GQA): a prefill --tp {src_attn_tp_size} rank holds {s} bytes of each token's K "
             f"(or V), {src_span} over its TP group, but the decode's {tpa} head slices (--tp {dst_attn_tp_size} "
             f"/ --dcp-size {dst_dcp_size}) hold {dst_span}"
-            + ("" if replicated_heads else "; the CPU engine pads the KV heads of a prefill whose --tp does "
-               "not divide them: use a prefill --tp that divides the model's KV heads")
-        )  # fmt: skip
+            + (
+                ""
+                if replicated_heads
+                else "; the CPU engine pads the KV heads of a prefill whose --tp does "
+                "not divide them: use a prefill --tp that divides the model's KV heads"
+            )
+        )
     return None

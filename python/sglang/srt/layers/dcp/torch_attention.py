@@ -30,12 +30,18 @@ _SCORE_ELEMS = 1 << 25
 
 
 def dcp_owned_kv(
-    locs: torch.Tensor, dcp_size: int, dcp_rank: int, interleave_size: int = 1, start: int = 0
+    locs: torch.Tensor,
+    dcp_size: int,
+    dcp_rank: int,
+    interleave_size: int = 1,
+    start: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(rows [l], positions [l])`` of the keys this rank owns among one request's logical KV
     ids ``locs [L]`` at positions ``start, start + 1, ...``: their physical rows in this rank's
     pool, and their positions (ascending)."""
-    local = localize_dcp_indices(locs.to(torch.int64), dcp_size, dcp_rank, interleave_size)
+    local = localize_dcp_indices(
+        locs.to(torch.int64), dcp_size, dcp_rank, interleave_size
+    )
     owned = local >= 0
     positions = torch.arange(start, start + locs.shape[0], device=locs.device)
     return local[owned], positions[owned]
@@ -70,7 +76,9 @@ def partial_attention(
             n = int(torch.searchsorted(key_pos, query_pos[tok][-1:], right=True)[0])
         s = torch.einsum("bkgd,lkd->kgbl", qb, k[:n]) * scaling  # [Hk, g, b, l]
         if query_pos is not None:
-            s = s.masked_fill(key_pos[:n][None, :] > query_pos[tok][:, None], float("-inf"))
+            s = s.masked_fill(
+                key_pos[:n][None, :] > query_pos[tok][:, None], float("-inf")
+            )
         if visible is not None:
             s = s.masked_fill(~visible[tok], float("-inf"))
         m = torch.logsumexp(s, dim=-1)  # [Hk, g, b]; -inf where nothing is visible

@@ -43,13 +43,18 @@ from sglang.srt.layers.helix.decode_state import (
 )
 from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_tokens
 
+
 @dataclass
 class HelixForwardMetadata:
     kvp_rank: int
     kvp_size: int
     chunk: int
-    write_rows: torch.Tensor  # [T] physical row of each new token on this rank (-1 if not owned)
-    kv_indptr: torch.Tensor  # [B+1] local KV list of positions [0, seq_len) (new tokens included)
+    write_rows: (
+        torch.Tensor
+    )  # [T] physical row of each new token on this rank (-1 if not owned)
+    kv_indptr: (
+        torch.Tensor
+    )  # [B+1] local KV list of positions [0, seq_len) (new tokens included)
     kv_indices: torch.Tensor  # [L]
     total_local: int
     kv_positions: torch.Tensor  # [L] global positions of the listed keys (causal masks)
@@ -59,22 +64,36 @@ class HelixForwardMetadata:
     kv_run_starts: Optional[list] = None
     # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
     extend_lists: Optional["TritonExtendLists"] = None
-    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the K/V store's arguments (_write_owned)
-    tree_visible: Optional[list] = None  # torch_native tree verify: per request [n, l] (the owned keys' mask columns)
+    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = (
+        None  # the K/V store's arguments (_write_owned)
+    )
+    tree_visible: Optional[list] = (
+        None  # torch_native tree verify: per request [n, l] (the owned keys' mask columns)
+    )
 
     @classmethod
     def build(cls, forward_batch, backend) -> "HelixForwardMetadata":
         parallel = get_parallel()
-        k, n, c = parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size
+        k, n, c = (
+            parallel.attn_dcp_rank,
+            parallel.attn_dcp_size,
+            parallel.dcp_interleave_size,
+        )
         rows = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
-        draft_step = getattr(backend, "draft_decode_metadata", None)  # torch_native: a draft decode step's rows
-        if draft_step is not None:  # a row per draft token (tree branches moved up to seq_len), its ends
+        draft_step = getattr(
+            backend, "draft_decode_metadata", None
+        )  # torch_native: a draft decode step's rows
+        if (
+            draft_step is not None
+        ):  # a row per draft token (tree branches moved up to seq_len), its ends
             pool, slots, kv_ends, kv_ends_cpu = draft_step
         else:
             pool, slots = _req_to_token(backend), forward_batch.req_pool_indices
             kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
         total = kv_layout.total_local_len(kv_ends_cpu, k, n, c)
-        indptr, indices, positions = kv_layout.local_kv_indices(pool, slots, kv_ends, total, k, n, c)
+        indptr, indices, positions = kv_layout.local_kv_indices(
+            pool, slots, kv_ends, total, k, n, c
+        )
         return cls(k, n, c, rows, indptr, indices, total, positions)
 
     @classmethod
@@ -94,17 +113,25 @@ def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
     on Triton ``draft_kv_ends``.)"""
     if forward_batch.forward_mode.is_target_verify():
         drafts = forward_batch.spec_info.draft_token_num
-        return forward_batch.seq_lens + drafts, [int(x) + drafts for x in forward_batch.seq_lens_cpu]
+        return forward_batch.seq_lens + drafts, [
+            int(x) + drafts for x in forward_batch.seq_lens_cpu
+        ]
     if forward_batch.forward_mode.is_decode() and forward_batch.spec_info is not None:
-        raise RuntimeError("helix attention: a draft decode step without its draft backend's rows")
+        raise RuntimeError(
+            "helix attention: a draft decode step without its draft backend's rows"
+        )
     return forward_batch.seq_lens, forward_batch.seq_lens_cpu
 
 
 def tree_mask_of(forward_batch) -> Optional[Tuple[torch.Tensor, list]]:
     """A tree verify's (top-k > 1) ``custom_mask`` in the FULL_MASK layout -- per request ``[n,
-    seq_len + n]`` flattened, back to back -- and each request's offset in it (host), else None."""
+    seq_len + n]`` flattened, back to back -- and each request's offset in it (host), else None.
+    """
     spec = forward_batch.spec_info
-    if not forward_batch.forward_mode.is_target_verify() or getattr(spec, "tree_topk", 1) == 1:
+    if (
+        not forward_batch.forward_mode.is_target_verify()
+        or getattr(spec, "tree_topk", 1) == 1
+    ):
         return None
     n, offsets, at = spec.draft_token_num, [], 0
     for seq_len in forward_batch.seq_lens_cpu:
@@ -124,7 +151,9 @@ def query_lens_of(forward_batch, batch_size: int) -> list:
     return forward_batch.extend_seq_lens_cpu
 
 
-def draft_kv_ends(forward_batch, host_bound: bool = True) -> Tuple[torch.Tensor, Optional[list]]:
+def draft_kv_ends(
+    forward_batch, host_bound: bool = True
+) -> Tuple[torch.Tensor, Optional[list]]:
     """A speculative draft decode step's KV ends for the Triton lists, without a device read:
     ``position + 1`` on the device ``[B]`` (a tree's ``[T]``), and on the host (eager only) a bound
     the lists are sized by -- the committed length plus the most tokens a draft may write past it
@@ -132,8 +161,12 @@ def draft_kv_ends(forward_batch, host_bound: bool = True) -> Tuple[torch.Tensor,
     if not host_bound:
         return forward_batch.positions.to(torch.int64) + 1, None
     bound = max_speculative_num_draft_tokens() or 1
-    topk = forward_batch.out_cache_loc.shape[0] // max(1, forward_batch.req_pool_indices.shape[0])  # a tree: per token
-    return forward_batch.positions.to(torch.int64) + 1, [int(n) + bound for n in forward_batch.seq_lens_cpu for _ in range(topk)]
+    topk = forward_batch.out_cache_loc.shape[0] // max(
+        1, forward_batch.req_pool_indices.shape[0]
+    )  # a tree: per token
+    return forward_batch.positions.to(torch.int64) + 1, [
+        int(n) + bound for n in forward_batch.seq_lens_cpu for _ in range(topk)
+    ]
 
 
 def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, list]:
@@ -143,11 +176,18 @@ def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, lis
     if forward_batch.forward_mode.is_target_verify():
         drafts = forward_batch.spec_info.draft_token_num
         prefix = forward_batch.seq_lens
-        return prefix, [int(x) for x in forward_batch.seq_lens_cpu], torch.full_like(prefix, drafts), [drafts] * prefix.shape[0]
+        return (
+            prefix,
+            [int(x) for x in forward_batch.seq_lens_cpu],
+            torch.full_like(prefix, drafts),
+            [drafts] * prefix.shape[0],
+        )
     return (
-        forward_batch.extend_prefix_lens, [int(x) for x in forward_batch.extend_prefix_lens_cpu],
-        forward_batch.extend_seq_lens, [int(x) for x in forward_batch.extend_seq_lens_cpu],
-    )  # fmt: skip
+        forward_batch.extend_prefix_lens,
+        [int(x) for x in forward_batch.extend_prefix_lens_cpu],
+        forward_batch.extend_seq_lens,
+        [int(x) for x in forward_batch.extend_seq_lens_cpu],
+    )
 
 
 @dataclass
@@ -170,7 +210,9 @@ class TritonExtendLists:
     seg_lens_cpu: list
 
     @classmethod
-    def build(cls, forward_batch, meta: HelixForwardMetadata, pool: torch.Tensor) -> "TritonExtendLists":
+    def build(
+        cls, forward_batch, meta: HelixForwardMetadata, pool: torch.Tensor
+    ) -> "TritonExtendLists":
         k, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
         device = forward_batch.seq_lens.device
         prefix_lens, prefix_cpu, extend_lens, extend_cpu = extend_lens_of(forward_batch)
@@ -182,24 +224,41 @@ class TritonExtendLists:
             pool, slots, prefix_lens, prefix_total, k, n, c
         )
         request, start, length = kv_layout.extend_segments(prefix_cpu, extend_cpu, c)
-        seg_total = kv_layout.total_local_len(start, k, n, c) - kv_layout.total_local_len(
-            [prefix_cpu[b] for b in request], k, n, c
-        )
+        seg_total = kv_layout.total_local_len(
+            start, k, n, c
+        ) - kv_layout.total_local_len([prefix_cpu[b] for b in request], k, n, c)
         request_t = torch.tensor(request, dtype=torch.int64, device=device)
         seg_start = torch.tensor(start, dtype=torch.int64, device=device)
         seg_indptr, seg_indices, _ = kv_layout.local_kv_indices(
-            pool, slots[request_t], seg_start, seg_total, k, n, c,
+            pool,
+            slots[request_t],
+            seg_start,
+            seg_total,
+            k,
+            n,
+            c,
             kv_starts=prefix_lens.to(torch.int64)[request_t],
-        )  # fmt: skip
+        )
         seg_lens = torch.tensor(length, dtype=torch.int64, device=device)
         seg_qo = torch.zeros(len(length) + 1, dtype=torch.int32, device=device)
         torch.cumsum(seg_lens, dim=0, out=seg_qo[1:])
         owned = localize_dcp_indices(seg_start, n, k, interleave_size=c) >= 0  # [S]
-        seg_owned = torch.repeat_interleave(owned, seg_lens, output_size=sum(length))  # [T]
+        seg_owned = torch.repeat_interleave(
+            owned, seg_lens, output_size=sum(length)
+        )  # [T]
         return cls(
-            qo, prefix_indptr, prefix_indices, max(extend_cpu), extend_cpu,
-            seg_qo, seg_indptr, seg_indices, seg_owned, max(length), length,
-        )  # fmt: skip
+            qo,
+            prefix_indptr,
+            prefix_indices,
+            max(extend_cpu),
+            extend_cpu,
+            seg_qo,
+            seg_indptr,
+            seg_indices,
+            seg_owned,
+            max(length),
+            length,
+        )
 
 
 def _req_to_token(backend) -> torch.Tensor:
@@ -209,14 +268,18 @@ def _req_to_token(backend) -> torch.Tensor:
     return backend.req_to_token  # triton
 
 
-
-def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True) -> torch.Tensor:
+def helix_attention(
+    layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True
+) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads, ``[T, Q/N * Dv]`` for ``o_proj``, from the
-    Triton or torch_native backend in DCP's GQA mode; ``layer`` has the TPA-local head counts."""
+    Triton or torch_native backend in DCP's GQA mode; ``layer`` has the TPA-local head counts.
+    """
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     kv_pool = backend.token_to_kv_pool
-    triton = hasattr(backend, "helix_decode")  # TritonAttnBackend (its decode lists), else torch_native
+    triton = hasattr(
+        backend, "helix_decode"
+    )  # TritonAttnBackend (its decode lists), else torch_native
     if triton and forward_batch.forward_mode.is_decode():
         state = backend.helix_decode
         if forward_batch.spec_info is None:
@@ -224,7 +287,10 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
         else:  # a draft step (each has its own backend): its first layer fills, to its position
             if backend.helix_metadata is None:
                 # (captured in a CUDA graph: device ends only, into the graph buffers)
-                state.prepare_draft_step(forward_batch, *draft_kv_ends(forward_batch, not state.draft_in_graph))
+                state.prepare_draft_step(
+                    forward_batch,
+                    *draft_kv_ends(forward_batch, not state.draft_in_graph),
+                )
                 backend.helix_metadata = state.metadata
             meta = backend.helix_metadata
     else:
@@ -234,12 +300,22 @@ def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache: bool 
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     if save_kv_cache and k is not None:
         # (an extend-like forward reads k/v again after the store: DRAFT_EXTEND_V2 too, which is_extend() omits)
-        _write_owned(layer, kv_pool, meta, k, v, triton, extend=not forward_batch.forward_mode.is_decode())
+        _write_owned(
+            layer,
+            kv_pool,
+            meta,
+            k,
+            v,
+            triton,
+            extend=not forward_batch.forward_mode.is_decode(),
+        )
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
     if isinstance(meta, HelixDecodeMetadata):
-        send, recv = _triton_decode(layer, q, meta, backend)  # send already holds the partials
+        send, recv = _triton_decode(
+            layer, q, meta, backend
+        )  # send already holds the partials
         merged = dcp_a2a_lse_reduce_packed(send, recv, q.shape[0], group)
     else:
         if triton:
@@ -261,16 +337,22 @@ def _write_owned(layer, kv_pool, meta, k, v, triton: bool, extend: bool) -> None
         k, v = k.clone(), v.clone()
     rows = meta.write_rows
     if triton:
-        if meta.store is None:  # (rows with -1 as 0, owned mask) [T]: recorded once in a graph
+        if (
+            meta.store is None
+        ):  # (rows with -1 as 0, owned mask) [T]: recorded once in a graph
             meta.store = (rows.clamp(min=0), rows >= 0)
         loc, owned = meta.store
-        kv_pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale, dcp_kv_mask=owned)
+        kv_pool.set_kv_buffer(
+            layer, loc, k, v, layer.k_scale, layer.v_scale, dcp_kv_mask=owned
+        )
         return
     if meta.store is None:  # (owned token indices, their rows)
         owned = (rows >= 0).nonzero().squeeze(1)
         meta.store = (owned, rows[owned])
     owned, owned_rows = meta.store
-    kv_pool.set_kv_buffer(layer, owned_rows, k[owned], v[owned], layer.k_scale, layer.v_scale)
+    kv_pool.set_kv_buffer(
+        layer, owned_rows, k[owned], v[owned], layer.k_scale, layer.v_scale
+    )
 
 
 def _decode_metadata(state: HelixDecodeState, num_tokens: int) -> HelixDecodeMetadata:
@@ -285,13 +367,16 @@ def _decode_metadata(state: HelixDecodeState, num_tokens: int) -> HelixDecodeMet
 
 def _check_layer(layer) -> None:
     if getattr(layer, "sliding_window_size", -1) not in (-1, None) or layer.logit_cap:
-        raise NotImplementedError("helix attention: sliding window / logit cap are not supported")
+        raise NotImplementedError(
+            "helix attention: sliding window / logit cap are not supported"
+        )
 
 
 def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool):
     """Per request, DCP's torch partial attention (``dcp.torch_attention.partial_attention``: fp32,
     grouped by KV head, causal by position except for a decode) over the keys this rank owns, read
-    as a view of the pool where they are one run of rows: ``out [T, H, Dv]``, ``lse [T, H]``."""
+    as a view of the pool where they are one run of rows: ``out [T, H, Dv]``, ``lse [T, H]``.
+    """
     _check_layer(layer)
     k_buf = kv_pool.get_key_buffer(layer.layer_id)
     v_buf = kv_pool.get_value_buffer(layer.layer_id)
@@ -299,19 +384,27 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
     T, H, _ = q.shape
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    if meta.kv_indptr_host is None:  # once per batch (CPU path: host values are free here)
+    if (
+        meta.kv_indptr_host is None
+    ):  # once per batch (CPU path: host values are free here)
         meta.kv_indptr_host = meta.kv_indptr.tolist()
         meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
     indptr = meta.kv_indptr_host
-    decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key of its request
-    tree = tree_mask_of(forward_batch)  # a tree verify: the mask's columns of the owned keys, once per batch
+    decode = (
+        forward_batch.forward_mode.is_decode()
+    )  # a decode token sees every key of its request
+    tree = tree_mask_of(
+        forward_batch
+    )  # a tree verify: the mask's columns of the owned keys, once per batch
     if tree is not None and meta.tree_visible is None:
         mask, offsets = tree
         n, seq = forward_batch.spec_info.draft_token_num, forward_batch.seq_lens_cpu
         meta.tree_visible = [
-            mask[offsets[b] : offsets[b] + n * (int(seq[b]) + n)].view(n, -1)[:, meta.kv_positions[indptr[b] : indptr[b + 1]]].bool()
+            mask[offsets[b] : offsets[b] + n * (int(seq[b]) + n)]
+            .view(n, -1)[:, meta.kv_positions[indptr[b] : indptr[b + 1]]]
+            .bool()
             for b in range(len(indptr) - 1)
-        ]  # fmt: skip
+        ]
     start = 0
     for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
         lo, hi = indptr[b], indptr[b + 1]
@@ -324,43 +417,59 @@ def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool)
         if run is not None:  # the same rows in the same order: a view, no copy
             rows = slice(run, run + hi - lo)
         key_pos, query_pos, visible = meta.kv_positions[lo:hi], None, None
-        if tree is not None:  # request b's [n, seq_len + n]: every prefix key, the tree keys by the mask
+        if (
+            tree is not None
+        ):  # request b's [n, seq_len + n]: every prefix key, the tree keys by the mask
             visible = meta.tree_visible[b]
         elif not decode:
             query_pos = forward_batch.positions[tok].long()
         out[tok], lse[tok] = partial_attention(
-            q[tok], _read_rows(k_buf, rows, k_descale), _read_rows(v_buf, rows, v_descale),
-            layer.scaling, query_pos, key_pos, visible,
-        )  # fmt: skip
+            q[tok],
+            _read_rows(k_buf, rows, k_descale),
+            _read_rows(v_buf, rows, v_descale),
+            layer.scaling,
+            query_pos,
+            key_pos,
+            visible,
+        )
     return out, lse
 
 
 def _read_rows(buf: torch.Tensor, rows, descale: float) -> torch.Tensor:
     """``buf[rows]`` in fp32, dequantized: one gather (plus one conversion for a non-fp32 pool),
-    no multiply when the scale is 1. ``rows`` a slice: a view of an fp32 pool, nothing copied."""
+    no multiply when the scale is 1. ``rows`` a slice: a view of an fp32 pool, nothing copied.
+    """
     out = buf[rows].float()
     if descale == 1.0:
         return out
-    return out * descale if isinstance(rows, slice) else out.mul_(descale)  # never scale the pool in place
+    return (
+        out * descale if isinstance(rows, slice) else out.mul_(descale)
+    )  # never scale the pool in place
 
 
 def _run_starts(kv_indices: torch.Tensor, indptr: list) -> list:
     """Per request ``b``: ``r0`` when ``kv_indices[indptr[b]:indptr[b+1]]`` is exactly
     ``r0, r0 + 1, ...`` (a fresh request's pages are usually consecutive), else None. One
-    comparison over the batch's lists, once per forward batch, instead of two gathers per layer."""
+    comparison over the batch's lists, once per forward batch, instead of two gathers per layer.
+    """
     out = []
     for b in range(len(indptr) - 1):
         lo, hi = indptr[b], indptr[b + 1]
         rows = kv_indices[lo:hi]
         r0 = int(rows[0]) if hi > lo else 0
-        ok = hi > lo and int(rows[-1]) - r0 == hi - lo - 1 and bool((rows[1:] - rows[:-1] == 1).all())
+        ok = (
+            hi > lo
+            and int(rows[-1]) - r0 == hi - lo - 1
+            and bool((rows[1:] - rows[:-1] == 1).all())
+        )
         out.append(r0 if ok else None)
     return out
 
 
 def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, float]]:
     """``(k_scale, v_scale)`` when the pool's write divides K/V of ``dtype`` by them (it converts:
-    an fp8 pool, as ``MHATokenToKVPool.set_kv_buffer``), else None; reads multiply them back."""
+    an fp8 pool, as ``MHATokenToKVPool.set_kv_buffer``), else None; reads multiply them back.
+    """
     if layer.k_scale is None or layer.v_scale is None or dtype == kv_pool.dtype:
         return None
     if layer.k_scale_float is not None:
@@ -371,7 +480,12 @@ def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, floa
 def _kv_buffers(layer, backend, dtype: torch.dtype):
     pool = backend.token_to_kv_pool
     k_descale, v_descale = _kv_scales(layer, pool, dtype) or (1.0, 1.0)
-    return pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), k_descale, v_descale
+    return (
+        pool.get_key_buffer(layer.layer_id),
+        pool.get_value_buffer(layer.layer_id),
+        k_descale,
+        v_descale,
+    )
 
 
 def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
@@ -386,14 +500,35 @@ def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
         T, H, layer.tp_k_head_num, layer.v_head_dim, q.dtype, policy
     )  # attn_logits [T, Q/TPA, S, Dv]: S, the batch's split extent
     splits = attn_logits.shape[2]
-    if not meta.splits_ready:  # once per batch, by its first layer (recorded once in a graph)
-        num_kv_splits_by_local_len(num_kv_splits, meta.local_lens, H, layer.tp_k_head_num, splits, policy.core_count)
+    if (
+        not meta.splits_ready
+    ):  # once per batch, by its first layer (recorded once in a graph)
+        num_kv_splits_by_local_len(
+            num_kv_splits,
+            meta.local_lens,
+            H,
+            layer.tp_k_head_num,
+            splits,
+            policy.core_count,
+        )
         meta.splits_ready = True
     out, lse = send_views(send, layer.v_head_dim)  # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
     decode_attention_fwd(
-        q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, attn_logits, attn_lse,
-        num_kv_splits, splits, layer.scaling, k_descale, v_descale, output_lse=lse,
-    )  # fmt: skip
+        q,
+        k_buf,
+        v_buf,
+        out,
+        meta.kv_indptr,
+        meta.kv_indices,
+        attn_logits,
+        attn_lse,
+        num_kv_splits,
+        splits,
+        layer.scaling,
+        k_descale,
+        v_descale,
+        output_lse=lse,
+    )
     return send, recv
 
 
@@ -407,69 +542,177 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, ba
     # the others compute it too, a chunk x segment sliver, rather than gather the owned ones).
     tree = tree_mask_of(forward_batch)
     if tree is not None:
-        return _triton_tree_verify(layer, q, k.contiguous(), v.contiguous(), forward_batch, meta, backend, tree)
+        return _triton_tree_verify(
+            layer, q, k.contiguous(), v.contiguous(), forward_batch, meta, backend, tree
+        )
     if meta.extend_lists is None:  # once per batch
-        meta.extend_lists = TritonExtendLists.build(forward_batch, meta, _req_to_token(backend))
+        meta.extend_lists = TritonExtendLists.build(
+            forward_batch, meta, _req_to_token(backend)
+        )
     x = meta.extend_lists
-    outs = torch.empty((3, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device)  # [3, T, Q/TPA, Dv]
+    outs = torch.empty(
+        (3, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device
+    )  # [3, T, Q/TPA, Dv]
     lses = torch.empty((3, T, H), dtype=torch.float32, device=q.device)
     k, v = k.contiguous(), v.contiguous()
     calls = (
-        (x.qo_indptr, x.prefix_kv_indptr, x.prefix_kv_indices, x.max_extend_len, x.extend_lens_cpu, True, False),
-        (x.seg_qo_indptr, x.seg_kv_indptr, x.seg_kv_indices, x.max_seg_len, x.seg_lens_cpu, True, False),
-        (x.seg_qo_indptr, x.seg_kv_indptr, x.seg_kv_indices, x.max_seg_len, x.seg_lens_cpu, False, True),
+        (
+            x.qo_indptr,
+            x.prefix_kv_indptr,
+            x.prefix_kv_indices,
+            x.max_extend_len,
+            x.extend_lens_cpu,
+            True,
+            False,
+        ),
+        (
+            x.seg_qo_indptr,
+            x.seg_kv_indptr,
+            x.seg_kv_indices,
+            x.max_seg_len,
+            x.seg_lens_cpu,
+            True,
+            False,
+        ),
+        (
+            x.seg_qo_indptr,
+            x.seg_kv_indptr,
+            x.seg_kv_indices,
+            x.max_seg_len,
+            x.seg_lens_cpu,
+            False,
+            True,
+        ),
     )
-    for i, (qo, kv_indptr, kv_indices, max_len, lens_cpu, skip_extend, skip_prefix) in enumerate(calls):
+    for i, (
+        qo,
+        kv_indptr,
+        kv_indices,
+        max_len,
+        lens_cpu,
+        skip_extend,
+        skip_prefix,
+    ) in enumerate(calls):
         extend_attention_fwd(
-            q, k, v, outs[i], k_buf, v_buf, qo, kv_indptr, kv_indices, None, True, None, max_len,
-            k_descale, v_descale, sm_scale=layer.scaling, lse_extend=lses[i],
-            skip_extend=skip_extend, skip_prefix=skip_prefix, extend_seq_lens_cpu=lens_cpu,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            outs[i],
+            k_buf,
+            v_buf,
+            qo,
+            kv_indptr,
+            kv_indices,
+            None,
+            True,
+            None,
+            max_len,
+            k_descale,
+            v_descale,
+            sm_scale=layer.scaling,
+            lse_extend=lses[i],
+            skip_extend=skip_extend,
+            skip_prefix=skip_prefix,
+            extend_seq_lens_cpu=lens_cpu,
+        )
     lses[2].masked_fill_(~x.seg_owned[:, None], float("-inf"))
-    return dcp_lse_combine_triton(outs, lses, return_lse=True)  # [T, Q/TPA, Dv], [T, Q/TPA]
+    return dcp_lse_combine_triton(
+        outs, lses, return_lse=True
+    )  # [T, Q/TPA, Dv], [T, Q/TPA]
 
 
-def _triton_tree_verify(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend, tree):
+def _triton_tree_verify(
+    layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend, tree
+):
     """A tree verify (top-k > 1) on Triton: two partials over the keys this rank owns, merged here:
     [0] every draft token over the owned committed prefix (all visible, no mask), [1] every draft
     token over the owned tree keys (already written) by the verify's mask, its columns of those keys
-    (``[n, L + n]`` per request, L the owned tree keys; the kernel's extend part is skipped)."""
+    (``[n, L + n]`` per request, L the owned tree keys; the kernel's extend part is skipped).
+    """
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape
-    if meta.extend_lists is None:  # once per batch: (the prefix call's lists, the tree call's, its mask)
+    if (
+        meta.extend_lists is None
+    ):  # once per batch: (the prefix call's lists, the tree call's, its mask)
         kr, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
-        pool, slots, seq = _req_to_token(backend), forward_batch.req_pool_indices, forward_batch.seq_lens
+        pool, slots, seq = (
+            _req_to_token(backend),
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+        )
         seq_cpu = [int(x) for x in forward_batch.seq_lens_cpu]
         drafts = forward_batch.spec_info.draft_token_num
         qo = torch.arange(0, T + 1, drafts, dtype=torch.int32, device=q.device)  # [B+1]
-        prefix = kv_layout.local_kv_indices(pool, slots, seq, kv_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c)
+        prefix = kv_layout.local_kv_indices(
+            pool, slots, seq, kv_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c
+        )
         ends_cpu = [x + drafts for x in seq_cpu]
-        owned_tree = kv_layout.total_local_len(ends_cpu, kr, n, c) - kv_layout.total_local_len(seq_cpu, kr, n, c)
+        owned_tree = kv_layout.total_local_len(
+            ends_cpu, kr, n, c
+        ) - kv_layout.total_local_len(seq_cpu, kr, n, c)
         tree_indptr, tree_rows, tree_pos = kv_layout.local_kv_indices(
             pool, slots, seq + drafts, owned_tree, kr, n, c, kv_starts=seq
-        )  # fmt: skip
+        )
         mask, offsets = tree
         local_masks, mask_indptr = [], [0]
-        owned = lambda end: end // (n * c) * c + min(max(end % (n * c) - kr * c, 0), c)  # noqa: E731 (host)
+        owned = lambda end: end // (n * c) * c + min(
+            max(end % (n * c) - kr * c, 0), c
+        )  # noqa: E731 (host)
         hi = 0
-        for b, seq_len in enumerate(seq_cpu):  # request b's span in the tree list: [lo, hi)
+        for b, seq_len in enumerate(
+            seq_cpu
+        ):  # request b's span in the tree list: [lo, hi)
             lo, hi = hi, hi + owned(seq_len + drafts) - owned(seq_len)
-            full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(drafts, seq_len + drafts)
-            cols = torch.cat([full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1)  # [n, L + n]
+            full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(
+                drafts, seq_len + drafts
+            )
+            cols = torch.cat(
+                [full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1
+            )  # [n, L + n]
             local_masks.append(cols.reshape(-1))
             mask_indptr.append(mask_indptr[-1] + cols.numel())
         mask_indptr = torch.tensor(mask_indptr, dtype=torch.int64, device=q.device)
-        meta.extend_lists = (qo, prefix[0], prefix[1], tree_indptr, tree_rows, torch.cat(local_masks), mask_indptr)
-    qo, prefix_indptr, prefix_rows, tree_indptr, tree_rows, local_mask, mask_indptr = meta.extend_lists
+        meta.extend_lists = (
+            qo,
+            prefix[0],
+            prefix[1],
+            tree_indptr,
+            tree_rows,
+            torch.cat(local_masks),
+            mask_indptr,
+        )
+    qo, prefix_indptr, prefix_rows, tree_indptr, tree_rows, local_mask, mask_indptr = (
+        meta.extend_lists
+    )
     drafts = forward_batch.spec_info.draft_token_num
     lens_cpu = [drafts] * (qo.shape[0] - 1)
-    outs = torch.empty((2, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device)  # [2, T, Q/TPA, Dv]
+    outs = torch.empty(
+        (2, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device
+    )  # [2, T, Q/TPA, Dv]
     lses = torch.empty((2, T, H), dtype=torch.float32, device=q.device)
-    for i, (kv_indptr, kv_indices, mask) in enumerate(((prefix_indptr, prefix_rows, None), (tree_indptr, tree_rows, local_mask))):
+    for i, (kv_indptr, kv_indices, mask) in enumerate(
+        ((prefix_indptr, prefix_rows, None), (tree_indptr, tree_rows, local_mask))
+    ):
         extend_attention_fwd(
-            q, k, v, outs[i], k_buf, v_buf, qo, kv_indptr, kv_indices, mask, True,
-            None if mask is None else mask_indptr, drafts, k_descale, v_descale, sm_scale=layer.scaling,
-            skip_prefix_custom_mask=mask is None, lse_extend=lses[i], skip_extend=True, extend_seq_lens_cpu=lens_cpu,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            outs[i],
+            k_buf,
+            v_buf,
+            qo,
+            kv_indptr,
+            kv_indices,
+            mask,
+            True,
+            None if mask is None else mask_indptr,
+            drafts,
+            k_descale,
+            v_descale,
+            sm_scale=layer.scaling,
+            skip_prefix_custom_mask=mask is None,
+            lse_extend=lses[i],
+            skip_extend=True,
+            extend_seq_lens_cpu=lens_cpu,
+        )
     return dcp_lse_combine_triton(outs, lses, return_lse=True)
-

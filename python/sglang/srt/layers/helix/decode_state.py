@@ -21,7 +21,10 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from sglang.kernels.ops.attention.dcp_kernels import _lse_pack_dim, create_triton_kv_indices_for_dcp_triton
+from sglang.kernels.ops.attention.dcp_kernels import (
+    _lse_pack_dim,
+    create_triton_kv_indices_for_dcp_triton,
+)
 from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 from sglang.srt.layers.helix.kv_layout import local_kv_lens, write_rows
 from sglang.srt.runtime_context import get_parallel, get_spec
@@ -41,10 +44,18 @@ HELIX_CTAS_PER_SM = 4
 HELIX_MIN_TOKENS_PER_SPLIT = 256
 
 
-def a2a_buffer_shape(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, kvp_size: int):
+def a2a_buffer_shape(
+    num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, kvp_size: int
+):
     """The send / receive buffer of ``dcp_a2a_lse_reduce_packed``: ``[KVP, T, H/KVP, D + lpd]`` of
-    ``dtype``, the fp32 LSE packed into ``lpd = 4 / sizeof(dtype)`` columns after each head's output."""
-    return (kvp_size, num_tokens, num_heads // kvp_size, head_dim + _lse_pack_dim(dtype))
+    ``dtype``, the fp32 LSE packed into ``lpd = 4 / sizeof(dtype)`` columns after each head's output.
+    """
+    return (
+        kvp_size,
+        num_tokens,
+        num_heads // kvp_size,
+        head_dim + _lse_pack_dim(dtype),
+    )
 
 
 def send_views(send: torch.Tensor, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +77,8 @@ class KVSplitPolicy:
     """How Helix decode splits a rank's local KV over stage-1 programs. ``core_count == 0`` (the CPU,
     static splits, deterministic tiles): ``min_splits`` each, as upstream. Otherwise a batch of ``B``
     launches ``grid_splits(B)``: ``HELIX_CTAS_PER_SM`` programs per SM, a power of two in
-    ``[min_splits, max_splits]``, each request taking what its local length needs (``B`` is a shape)."""
+    ``[min_splits, max_splits]``, each request taking what its local length needs (``B`` is a shape).
+    """
 
     min_splits: int
     max_splits: int
@@ -75,23 +87,38 @@ class KVSplitPolicy:
     def grid_splits(self, batch: int, num_heads: int, num_kv_heads: int) -> int:
         if self.core_count <= 0:
             return self.min_splits
-        fill = triton.cdiv(HELIX_CTAS_PER_SM * self.core_count, max(1, batch) * _head_tiles(num_heads, num_kv_heads))
+        fill = triton.cdiv(
+            HELIX_CTAS_PER_SM * self.core_count,
+            max(1, batch) * _head_tiles(num_heads, num_kv_heads),
+        )
         fill = 1 << (fill.bit_length() - 1)  # a power of two, at most the fill
         return min(self.max_splits, max(self.min_splits, fill))
 
     def workspace_rows(self, max_bs: int, num_heads: int, num_kv_heads: int) -> int:
         """``max(T * grid_splits(T))`` over batches up to ``max_bs``: the (token, split) rows one
         workspace holds for every batch it serves."""
-        return max(t * self.grid_splits(t, num_heads, num_kv_heads) for t in range(1, max(1, max_bs) + 1))
+        return max(
+            t * self.grid_splits(t, num_heads, num_kv_heads)
+            for t in range(1, max(1, max_bs) + 1)
+        )
 
 
 def kv_split_policy(backend) -> KVSplitPolicy:
     """Helix decode's split policy on ``backend`` (a TritonAttnBackend): per request, from its
     local KV length, with the SM count known and no static or tiled split setting; else the
-    backend's fixed ``max_kv_splits``. ``--triton-attention-num-kv-splits`` above 256 raises the cap."""
-    if backend.static_kv_splits or backend.device_core_count <= 0 or backend.split_tile_size is not None:
+    backend's fixed ``max_kv_splits``. ``--triton-attention-num-kv-splits`` above 256 raises the cap.
+    """
+    if (
+        backend.static_kv_splits
+        or backend.device_core_count <= 0
+        or backend.split_tile_size is not None
+    ):
         return KVSplitPolicy(backend.max_kv_splits, backend.max_kv_splits, 0)
-    return KVSplitPolicy(backend.max_kv_splits, max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS), backend.device_core_count)
+    return KVSplitPolicy(
+        backend.max_kv_splits,
+        max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS),
+        backend.device_core_count,
+    )
 
 
 def num_kv_splits_by_local_len(
@@ -104,17 +131,29 @@ def num_kv_splits_by_local_len(
 ) -> None:
     """Fill ``num_kv_splits [B]`` from the *local* KV lengths with upstream's heuristic
     (``get_num_kv_splits_triton``), then at most one split per ``HELIX_MIN_TOKENS_PER_SPLIT`` local
-    tokens; ``device_core_count <= 0``: all ``max_kv_splits``. Shapes from ``[B]`` only: capturable."""
+    tokens; ``device_core_count <= 0``: all ``max_kv_splits``. Shapes from ``[B]`` only: capturable.
+    """
     if device_core_count <= 0:
         num_kv_splits.fill_(max_kv_splits)
         return
     batch = local_lens.shape[0]
     get_num_kv_splits_triton[(1,)](
-        num_kv_splits, local_lens.clamp_min(1), batch, 1, num_heads, num_kv_heads, max_kv_splits,
-        device_core_count, MAX_NUM_SEQ=256 if batch < 256 else triton.next_power_of_2(batch),
-    )  # fmt: skip
-    by_length = (local_lens + HELIX_MIN_TOKENS_PER_SPLIT - 1) // HELIX_MIN_TOKENS_PER_SPLIT
-    torch.minimum(num_kv_splits, by_length.clamp_min(1).to(num_kv_splits.dtype), out=num_kv_splits)
+        num_kv_splits,
+        local_lens.clamp_min(1),
+        batch,
+        1,
+        num_heads,
+        num_kv_heads,
+        max_kv_splits,
+        device_core_count,
+        MAX_NUM_SEQ=256 if batch < 256 else triton.next_power_of_2(batch),
+    )
+    by_length = (
+        local_lens + HELIX_MIN_TOKENS_PER_SPLIT - 1
+    ) // HELIX_MIN_TOKENS_PER_SPLIT
+    torch.minimum(
+        num_kv_splits, by_length.clamp_min(1).to(num_kv_splits.dtype), out=num_kv_splits
+    )
 
 
 @dataclass
@@ -127,24 +166,45 @@ class HelixDecodeMetadata:
     local_lens: torch.Tensor  # [B] this rank's KV length per request
     buffers: "HelixDecodeBuffers"
     splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
-    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the masked K/V store's (loc, mask) [T]
+    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = (
+        None  # the masked K/V store's (loc, mask) [T]
+    )
 
 
 class HelixDecodeBuffers:
     """Persistent decode buffers for up to ``max_bs`` requests (= tokens) and ``capacity`` listed KV."""
 
-    def __init__(self, max_bs: int, capacity: int, kvp_size: int, device: torch.device, fixed: bool):
-        self.max_bs, self.capacity, self.kvp_size, self.device = max_bs, capacity, kvp_size, device
+    def __init__(
+        self,
+        max_bs: int,
+        capacity: int,
+        kvp_size: int,
+        device: torch.device,
+        fixed: bool,
+    ):
+        self.max_bs, self.capacity, self.kvp_size, self.device = (
+            max_bs,
+            capacity,
+            kvp_size,
+            device,
+        )
         self.fixed = fixed  # a graph's buffers: never reallocated (the graph holds their addresses)
         self.write_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self._workspace: Optional[Tuple] = None  # (key, tensors) of the per-layer workspace
+        self._workspace: Optional[Tuple] = (
+            None  # (key, tensors) of the per-layer workspace
+        )
 
     def workspace(
-        self, num_tokens: int, num_heads: int, num_kv_heads: int, v_head_dim: int, dtype: torch.dtype,
+        self,
+        num_tokens: int,
+        num_heads: int,
+        num_kv_heads: int,
+        v_head_dim: int,
+        dtype: torch.dtype,
         splits: KVSplitPolicy,
-    ):  # fmt: skip
+    ):
         """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [T], send, recv)``:
         allocated once by the first layer that asks (before any capture) for every batch up to
         ``max_bs``, views after; every layer has the same head shape."""
@@ -157,7 +217,10 @@ class HelixDecodeBuffers:
                     f"a layer asks for {key}"
                 )
             rows = splits.workspace_rows(self.max_bs, num_heads, num_kv_heads)
-            self._workspace = (key, self._allocate(num_heads, v_head_dim, dtype, rows, kvp_size))
+            self._workspace = (
+                key,
+                self._allocate(num_heads, v_head_dim, dtype, rows, kvp_size),
+            )
         logits, lse_s, num_kv_splits, send, recv = self._workspace[1]
         T, S = num_tokens, splits.grid_splits(num_tokens, num_heads, num_kv_heads)
         a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
@@ -175,7 +238,9 @@ class HelixDecodeBuffers:
         a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
         n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
         return (
-            torch.empty(split_rows * num_heads * v_head_dim, dtype=torch.float32, device=device),
+            torch.empty(
+                split_rows * num_heads * v_head_dim, dtype=torch.float32, device=device
+            ),
             torch.empty(split_rows * num_heads, dtype=torch.float32, device=device),
             torch.ones(T, dtype=torch.int32, device=device),
             torch.empty(n, dtype=dtype, device=device),
@@ -184,10 +249,17 @@ class HelixDecodeBuffers:
 
 
 def buffer_bytes(
-    max_bs: int, capacity: int, num_heads: int, v_head_dim: int, dtype: torch.dtype, split_rows: int, kvp_size: int
+    max_bs: int,
+    capacity: int,
+    num_heads: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    split_rows: int,
+    kvp_size: int,
 ) -> int:
     """Bytes of one ``HelixDecodeBuffers(max_bs, capacity)`` with its workspace: the lists, the split
-    buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``) and ``send``/``recv``."""
+    buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``) and ``send``/``recv``.
+    """
     a2a = a2a_buffer_shape(max_bs, num_heads, v_head_dim, dtype, kvp_size)
     elem = torch.empty((), dtype=dtype).element_size()
     lists = 8 * max_bs + 4 * (max_bs + 1) + 8 * capacity
@@ -198,11 +270,18 @@ def buffer_bytes(
 def reserved_batch() -> int:
     """``B``: the tokens Helix's one decode buffer set is sized for -- the largest decode CUDA-graph
     batch configured (``cuda_graph_config.decode.bs``, resolved even when graphs are off), times a
-    tree draft's ``--speculative-eagle-topk`` (a draft step lists each of its tokens)."""
+    tree draft's ``--speculative-eagle-topk`` (a draft step lists each of its tokens).
+    """
     from sglang.srt.runtime_context import get_exec
 
-    alg = get_spec().speculative_algorithm  # NGRAM's top-k shapes its verify; it has no draft steps
-    topk = get_spec().speculative_eagle_topk if alg is not None and str(alg).upper() != "NGRAM" else None
+    alg = (
+        get_spec().speculative_algorithm
+    )  # NGRAM's top-k shapes its verify; it has no draft steps
+    topk = (
+        get_spec().speculative_eagle_topk
+        if alg is not None and str(alg).upper() != "NGRAM"
+        else None
+    )
     return max(get_exec().graph.cuda_graph_config.decode.bs or [0]) * max(1, topk or 1)
 
 
@@ -224,9 +303,19 @@ def graph_buffer_bytes(kvc) -> int:
     num_heads = model_config.num_attention_heads // tpa  # Q/TPA
     num_kv_heads = max(1, model_config.get_total_num_kv_heads() // tpa)  # K/TPA
     min_splits = get_exec().kernel.triton_attention_num_kv_splits
-    policy = KVSplitPolicy(min_splits, max(min_splits, HELIX_MAX_KV_SPLITS), get_device_core_count())
+    policy = KVSplitPolicy(
+        min_splits, max(min_splits, HELIX_MAX_KV_SPLITS), get_device_core_count()
+    )
     rows = policy.workspace_rows(max_bs, num_heads, num_kv_heads)
-    return buffer_bytes(max_bs, capacity, num_heads, model_config.v_head_dim, model_config.dtype, rows, kvp)
+    return buffer_bytes(
+        max_bs,
+        capacity,
+        num_heads,
+        model_config.v_head_dim,
+        model_config.dtype,
+        rows,
+        kvp,
+    )
 
 
 class HelixDecodeState:
@@ -234,11 +323,18 @@ class HelixDecodeState:
     (once), ``prepare_in_graph`` (capture); Helix attention reads ``metadata``."""
 
     def __init__(
-        self, req_to_token: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int, reserved_bs: int = 0,
+        self,
+        req_to_token: torch.Tensor,
+        kvp_rank: int,
+        kvp_size: int,
+        chunk: int,
+        reserved_bs: int = 0,
         max_context_len: Optional[int] = None,
-    ):  # fmt: skip
+    ):
         self.req_to_token = req_to_token
-        self.reserved_bs = reserved_bs  # the set the KV pool sizing charged (graph_buffer_bytes) ...
+        self.reserved_bs = (
+            reserved_bs  # the set the KV pool sizing charged (graph_buffer_bytes) ...
+        )
         # ... for requests of the model's context length, as the charge counts them
         self.max_context_len = max_context_len or req_to_token.shape[1]
         self.kvp_rank, self.kvp_size, self.chunk = kvp_rank, kvp_size, chunk
@@ -250,100 +346,174 @@ class HelixDecodeState:
         self.draft_in_graph = False
 
     @classmethod
-    def for_this_rank(cls, req_to_token_pool, max_context_len: Optional[int] = None) -> Optional["HelixDecodeState"]:
+    def for_this_rank(
+        cls, req_to_token_pool, max_context_len: Optional[int] = None
+    ) -> Optional["HelixDecodeState"]:
         """This rank's state under Helix, else None, owned by the request-table pool
         (``req_to_token_pool.helix_decode``): every Triton backend over that table (the target's, a
-        draft's per-step ones, run one at a time) shares the one buffer set the pool sizing charged."""
+        draft's per-step ones, run one at a time) shares the one buffer set the pool sizing charged.
+        """
         parallel = get_parallel()
         if not parallel.helix_enabled:
             return None
         state = getattr(req_to_token_pool, "helix_decode", None)
         if state is None:
             state = cls(
-                req_to_token_pool.req_to_token, parallel.attn_dcp_rank, parallel.attn_dcp_size,
-                parallel.dcp_interleave_size, reserved_batch(), max_context_len,
-            )  # fmt: skip
+                req_to_token_pool.req_to_token,
+                parallel.attn_dcp_rank,
+                parallel.attn_dcp_size,
+                parallel.dcp_interleave_size,
+                reserved_batch(),
+                max_context_len,
+            )
             req_to_token_pool.helix_decode = state
         return state
 
     # -- the one implementation -----------------------------------------------------------
 
-    def fill(self, buffers: HelixDecodeBuffers, forward_batch, kv_ends: Optional[torch.Tensor] = None) -> HelixDecodeMetadata:
+    def fill(
+        self,
+        buffers: HelixDecodeBuffers,
+        forward_batch,
+        kv_ends: Optional[torch.Tensor] = None,
+    ) -> HelixDecodeMetadata:
         """Write the batch's lists into ``buffers`` in place: device ops, shapes from ``[B]``/``[T]``.
-        Each request lists the positions ``[0, kv_ends)`` this rank owns (default ``seq_lens``)."""
+        Each request lists the positions ``[0, kv_ends)`` this rank owns (default ``seq_lens``).
+        """
         k, n, c = self.kvp_rank, self.kvp_size, self.chunk
         num_tokens = forward_batch.out_cache_loc.shape[0]
         batch = forward_batch.req_pool_indices.shape[0]
         rows = buffers.write_rows[:num_tokens]
         rows.copy_(write_rows(forward_batch.out_cache_loc, k, n, c))
-        ends = forward_batch.seq_lens if kv_ends is None else kv_ends  # [B], or a tree draft step's [T]
+        ends = (
+            forward_batch.seq_lens if kv_ends is None else kv_ends
+        )  # [B], or a tree draft step's [T]
         kv_indptr = buffers.kv_indptr[: ends.shape[0] + 1]
         local_lens = local_kv_lens(ends, k, n, c)  # [B] / [T]
         torch.cumsum(local_lens, dim=0, dtype=torch.int32, out=kv_indptr[1:])
-        slots, lens, offsets, starts = forward_batch.req_pool_indices, local_lens, kv_indptr, None
-        if ends.shape[0] != batch and batch:  # a tree draft step: the prefix, then the branch's drafts
-            slots, lens, offsets, starts = self._tree_segments(forward_batch, ends, local_lens, kv_indptr)
+        slots, lens, offsets, starts = (
+            forward_batch.req_pool_indices,
+            local_lens,
+            kv_indptr,
+            None,
+        )
+        if (
+            ends.shape[0] != batch and batch
+        ):  # a tree draft step: the prefix, then the branch's drafts
+            slots, lens, offsets, starts = self._tree_segments(
+                forward_batch, ends, local_lens, kv_indptr
+            )
         if lens.shape[0]:
             create_triton_kv_indices_for_dcp_triton[(lens.shape[0],)](
-                self.req_to_token, slots, lens, offsets, starts,
-                buffers.kv_indices, self.req_to_token.stride(0), n, k, interleave_size=c,
-            )  # fmt: skip
-        return HelixDecodeMetadata(rows, kv_indptr, buffers.kv_indices, local_lens, buffers)
+                self.req_to_token,
+                slots,
+                lens,
+                offsets,
+                starts,
+                buffers.kv_indices,
+                self.req_to_token.stride(0),
+                n,
+                k,
+                interleave_size=c,
+            )
+        return HelixDecodeMetadata(
+            rows, kv_indptr, buffers.kv_indices, local_lens, buffers
+        )
 
-    def _tree_segments(self, forward_batch, ends: torch.Tensor, local_lens: torch.Tensor, kv_indptr: torch.Tensor):
+    def _tree_segments(
+        self,
+        forward_batch,
+        ends: torch.Tensor,
+        local_lens: torch.Tensor,
+        kv_indptr: torch.Tensor,
+    ):
         """A tree draft step (top-k tokens per request): token ``m`` of branch ``t`` lists the
         committed prefix ``[0, seq_len)`` and its branch's drafts, which ``prepare_for_draft`` puts
         on the branch's own pages, ``t * num_new_pages * page`` rows past ``seq_len`` (a multiple of
         the page ``chunk x KVP``: the same owners as ``[seq_len, end)``). Per token two runs for
-        the list kernel: ``(slot, local length, list offset, start position)`` ``[2T]``."""
+        the list kernel: ``(slot, local length, list offset, start position)`` ``[2T]``.
+        """
         k, n, c = self.kvp_rank, self.kvp_size, self.chunk
         topk = ends.shape[0] // forward_batch.req_pool_indices.shape[0]
         seq = forward_batch.seq_lens.to(torch.int64).repeat_interleave(topk)  # [T]
         page, steps = c * n, get_spec().speculative_num_steps
-        branch = torch.arange(topk, device=seq.device).repeat(forward_batch.req_pool_indices.shape[0])
-        start = seq + branch * ((seq % page + steps + page - 1) // page) * page  # [T] row of the branch's first draft
-        prefix_lens = local_kv_lens(seq, k, n, c)  # [T]; the branch: local_lens - prefix_lens
+        branch = torch.arange(topk, device=seq.device).repeat(
+            forward_batch.req_pool_indices.shape[0]
+        )
+        start = (
+            seq + branch * ((seq % page + steps + page - 1) // page) * page
+        )  # [T] row of the branch's first draft
+        prefix_lens = local_kv_lens(
+            seq, k, n, c
+        )  # [T]; the branch: local_lens - prefix_lens
         pair = lambda a, b: torch.stack([a, b], dim=1).reshape(-1)  # noqa: E731
         slots = forward_batch.req_pool_indices.repeat_interleave(topk)
         offsets = kv_indptr[:-1].to(torch.int64)
         return (
-            pair(slots, slots), pair(prefix_lens, local_lens - prefix_lens), pair(offsets, offsets + prefix_lens),
+            pair(slots, slots),
+            pair(prefix_lens, local_lens - prefix_lens),
+            pair(offsets, offsets + prefix_lens),
             pair(torch.zeros_like(start), start),
-        )  # fmt: skip
+        )
 
     # -- eager ----------------------------------------------------------------------------
 
     def prepare_eager(self, forward_batch, kv_ends=None, kv_ends_cpu=None) -> None:
         """Eager decode: grow the buffers on the host if needed, then fill. A draft step (a decode with
-        ``spec_info``) is filled by ``prepare_draft_step``, when its writes and positions are bound."""
+        ``spec_info``) is filled by ``prepare_draft_step``, when its writes and positions are bound.
+        """
         self.draft_in_graph = False
         if kv_ends is None and forward_batch.spec_info is not None:
             self.metadata = None
             return
         if kv_ends is None:
             kv_ends_cpu = forward_batch.seq_lens_cpu
-        batch, num_tokens = forward_batch.req_pool_indices.shape[0], forward_batch.out_cache_loc.shape[0]
-        total = int(local_kv_lens(kv_ends_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum())
-        if self.graph is None and self.reserved_bs:  # the charged set, at the first decode
+        batch, num_tokens = (
+            forward_batch.req_pool_indices.shape[0],
+            forward_batch.out_cache_loc.shape[0],
+        )
+        total = int(
+            local_kv_lens(kv_ends_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum()
+        )
+        if (
+            self.graph is None and self.reserved_bs
+        ):  # the charged set, at the first decode
             self.graph = self._buffers(self.reserved_bs, self.max_context_len)
         graph = self.graph
-        if graph is not None and max(batch, num_tokens) <= graph.max_bs and total <= graph.capacity:
-            self.metadata = self.fill(graph, forward_batch, kv_ends)  # one set of buffers, not two
+        if (
+            graph is not None
+            and max(batch, num_tokens) <= graph.max_bs
+            and total <= graph.capacity
+        ):
+            self.metadata = self.fill(
+                graph, forward_batch, kv_ends
+            )  # one set of buffers, not two
             return
         # A batch beyond the charged set (more requests than the largest graph batch): buffers of
         # this step only, as upstream's eager decode allocates its split buffers per step (from the
         # activation memory), never kept past it.
-        step = HelixDecodeBuffers(max(batch, num_tokens), max(total, 1), self.kvp_size, self.device, fixed=False)
+        step = HelixDecodeBuffers(
+            max(batch, num_tokens),
+            max(total, 1),
+            self.kvp_size,
+            self.device,
+            fixed=False,
+        )
         self.metadata = self.fill(step, forward_batch, kv_ends)
 
-    def prepare_draft_step(self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu: Optional[list] = None) -> None:
+    def prepare_draft_step(
+        self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu: Optional[list] = None
+    ) -> None:
         """A speculative draft decode step: its lists end at each token's position + 1 (``kv_ends``
         ``[B]``, a tree's ``[T]``), past ``seq_lens``. Eager: ``kv_ends_cpu`` bounds them on the host.
         In a CUDA graph (``kv_ends_cpu`` None) the graph buffers, sized for the largest step's
-        tokens at the model's context, take them: device ops only, shapes from ``[T]``."""
+        tokens at the model's context, take them: device ops only, shapes from ``[T]``.
+        """
         if kv_ends_cpu is None:
             if self.graph is None:
-                raise RuntimeError("helix decode: init_graph_state was not called before a draft step's capture")
+                raise RuntimeError(
+                    "helix decode: init_graph_state was not called before a draft step's capture"
+                )
             self.metadata = self.fill(self.graph, forward_batch, kv_ends)
             return
         self.prepare_eager(forward_batch, kv_ends, kv_ends_cpu)
@@ -352,7 +522,8 @@ class HelixDecodeState:
 
     def init_graph_state(self, max_bs: int, max_context_len: int) -> torch.Tensor:
         """Allocate the graph buffers once (``max_bs`` requests of ``max_context_len``); returns the KV
-        index buffer (1/KVP of upstream's rows), which the backend may hold as its own."""
+        index buffer (1/KVP of upstream's rows), which the backend may hold as its own.
+        """
         if self.kvp_rank == 0:
             logger.warning(
                 "Helix: capturing the decode step in CUDA graphs (--disable-cuda-graph runs it eagerly). "
@@ -360,23 +531,35 @@ class HelixDecodeState:
                 "in a multi-GPU server."
             )
         graph = self.graph
-        if graph is None or graph.max_bs < max_bs or graph.capacity < self._capacity(max_bs, max_context_len):
+        if (
+            graph is None
+            or graph.max_bs < max_bs
+            or graph.capacity < self._capacity(max_bs, max_context_len)
+        ):
             self.graph = self._buffers(max_bs, max_context_len)
         return self.graph.kv_indices
 
     def _capacity(self, max_bs: int, max_context_len: int) -> int:
-        return max_bs * int(local_kv_lens(max_context_len, 0, self.kvp_size, self.chunk))  # rank 0 owns the most
+        return max_bs * int(
+            local_kv_lens(max_context_len, 0, self.kvp_size, self.chunk)
+        )  # rank 0 owns the most
 
     def _buffers(self, max_bs: int, max_context_len: int) -> HelixDecodeBuffers:
         """One fixed set for ``max_bs`` requests of up to ``max_context_len`` tokens."""
         capacity = self._capacity(max_bs, max_context_len)
-        return HelixDecodeBuffers(max_bs, capacity, self.kvp_size, self.device, fixed=True)
+        return HelixDecodeBuffers(
+            max_bs, capacity, self.kvp_size, self.device, fixed=True
+        )
 
     def prepare_in_graph(self, forward_batch) -> None:
         """Graph capture (and warm-up): fill the graph buffers from the runner's static inputs. A
         draft decode step (``spec_info``) is filled by its first layer, once the step's positions
         and writes are bound (``prepare_draft_step``, no host bound)."""
         if self.graph is None:
-            raise RuntimeError("helix decode: init_graph_state was not called before capture")
+            raise RuntimeError(
+                "helix decode: init_graph_state was not called before capture"
+            )
         self.draft_in_graph = forward_batch.spec_info is not None
-        self.metadata = None if self.draft_in_graph else self.fill(self.graph, forward_batch)
+        self.metadata = (
+            None if self.draft_in_graph else self.fill(self.graph, forward_batch)
+        )

@@ -22,10 +22,15 @@ import torch
 
 from sglang.srt.layers.dcp.layout import get_dcp_lens, localize_dcp_indices
 
-def write_rows(out_cache_loc: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int) -> torch.Tensor:
+
+def write_rows(
+    out_cache_loc: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int
+) -> torch.Tensor:
     """``[T]`` physical row of each new token on this rank, -1 for tokens it does not own (the
     write masks them: ``rows >= 0`` is DCP's ``dcp_kv_mask``)."""
-    return localize_dcp_indices(out_cache_loc.to(torch.int64), kvp_size, kvp_rank, interleave_size=chunk)
+    return localize_dcp_indices(
+        out_cache_loc.to(torch.int64), kvp_size, kvp_rank, interleave_size=chunk
+    )
 
 
 def owner_rank(loc: torch.Tensor, kvp_size: int, chunk: int) -> torch.Tensor:
@@ -33,20 +38,30 @@ def owner_rank(loc: torch.Tensor, kvp_size: int, chunk: int) -> torch.Tensor:
     return (loc.to(torch.int64) // chunk) % kvp_size
 
 
-def local_kv_lens(seq_lens, kvp_rank: int, kvp_size: int, chunk: int, start=None) -> torch.Tensor:
+def local_kv_lens(
+    seq_lens, kvp_rank: int, kvp_size: int, chunk: int, start=None
+) -> torch.Tensor:
     """``[B]`` how many positions of ``[start, start + seq_lens)`` (default ``[0, seq_lens)``) this rank owns."""
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int64)
     start = None if start is None else torch.as_tensor(start, dtype=torch.int64)
-    return get_dcp_lens(seq_lens, kvp_size, kvp_rank, start=start, interleave_size=chunk)
+    return get_dcp_lens(
+        seq_lens, kvp_size, kvp_rank, start=start, interleave_size=chunk
+    )
 
 
-def global_position(local_pos: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int) -> torch.Tensor:
+def global_position(
+    local_pos: torch.Tensor, kvp_rank: int, kvp_size: int, chunk: int
+) -> torch.Tensor:
     """Global position of local index ``local_pos [*]`` on rank ``kvp_rank`` (inverse of
     ``localize_dcp_indices`` on positions)."""
-    return (local_pos // chunk) * (chunk * kvp_size) + kvp_rank * chunk + local_pos % chunk
+    return (
+        (local_pos // chunk) * (chunk * kvp_size) + kvp_rank * chunk + local_pos % chunk
+    )
 
 
-def total_local_len(kv_lens_cpu, kvp_rank: int, kvp_size: int, chunk: int, start_cpu=None) -> int:
+def total_local_len(
+    kv_lens_cpu, kvp_rank: int, kvp_size: int, chunk: int, start_cpu=None
+) -> int:
     """Host-side ``sum(local_kv_lens(...))`` from host lists / CPU tensors of lengths."""
     if len(kv_lens_cpu) == 0:
         return 0
@@ -71,15 +86,24 @@ def local_kv_indices(
     ends = kv_lens.to(torch.int64)
     starts = None if kv_starts is None else kv_starts.to(torch.int64)
     spans = ends if starts is None else ends - starts
-    local_lens = get_dcp_lens(spans, kvp_size, kvp_rank, start=starts, interleave_size=chunk)  # [B]
+    local_lens = get_dcp_lens(
+        spans, kvp_size, kvp_rank, start=starts, interleave_size=chunk
+    )  # [B]
     kv_indptr = torch.zeros(kv_lens.shape[0] + 1, dtype=torch.int32, device=device)
     torch.cumsum(local_lens, dim=0, out=kv_indptr[1:])
     batch = torch.repeat_interleave(
-        torch.arange(kv_lens.shape[0], device=device), local_lens, output_size=total_local
+        torch.arange(kv_lens.shape[0], device=device),
+        local_lens,
+        output_size=total_local,
     )  # [L] request of each listed token
-    local_pos = torch.arange(total_local, device=device) - kv_indptr[:-1].to(torch.int64)[batch]
+    local_pos = (
+        torch.arange(total_local, device=device) - kv_indptr[:-1].to(torch.int64)[batch]
+    )
     if starts is not None:
-        local_pos = local_pos + get_dcp_lens(starts, kvp_size, kvp_rank, interleave_size=chunk)[batch]
+        local_pos = (
+            local_pos
+            + get_dcp_lens(starts, kvp_size, kvp_rank, interleave_size=chunk)[batch]
+        )
     pos = global_position(local_pos, kvp_rank, kvp_size, chunk)  # [L]
     loc = req_to_token[req_pool_indices.to(torch.int64)[batch], pos].to(torch.int64)
     rows = localize_dcp_indices(loc, kvp_size, kvp_rank, interleave_size=chunk)
@@ -90,7 +114,8 @@ def extend_segments(
     prefix_lens: Sequence[int], extend_lens: Sequence[int], chunk: int
 ) -> Tuple[List[int], List[int], List[int]]:
     """Split each request's new tokens at ownership-chunk boundaries (one rank owns each segment):
-    host lists ``(request [S], start position [S], length [S])`` in token order, tiling the T tokens."""
+    host lists ``(request [S], start position [S], length [S])`` in token order, tiling the T tokens.
+    """
     request, start, length = [], [], []
     for b, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         pos, end = int(p), int(p) + int(e)

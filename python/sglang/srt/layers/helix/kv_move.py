@@ -20,19 +20,36 @@ from sglang.srt.runtime_context import get_parallel
 
 def move_kv_cache_by_owner(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     """``pool``'s K/V of the logical ids ``src_loc [M]`` to ``tgt_loc [M]`` on every rank of the DCP
-    group (called by all of them): ``pool.k_buffer`` / ``v_buffer`` per layer, ``[rows, K/TPA, D]``."""
-    if getattr(pool, "use_hnd", False) or getattr(pool, "k_scale_buffer", None) is not None:
-        raise NotImplementedError("helix move_kv_cache: a token-major pool without per-token scales only")
+    group (called by all of them): ``pool.k_buffer`` / ``v_buffer`` per layer, ``[rows, K/TPA, D]``.
+    """
+    if (
+        getattr(pool, "use_hnd", False)
+        or getattr(pool, "k_scale_buffer", None) is not None
+    ):
+        raise NotImplementedError(
+            "helix move_kv_cache: a token-major pool without per-token scales only"
+        )
     parallel = get_parallel()
-    k, n, c, group = parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size, parallel.dcp_group
+    k, n, c, group = (
+        parallel.attn_dcp_rank,
+        parallel.attn_dcp_size,
+        parallel.dcp_interleave_size,
+        parallel.dcp_group,
+    )
     src_rows = write_rows(src_loc, k, n, c)  # [M]
-    tgt_rows = write_rows(tgt_loc, k, n, c).clamp(min=0)  # [M]; a target another rank owns: row 0
+    tgt_rows = write_rows(tgt_loc, k, n, c).clamp(
+        min=0
+    )  # [M]; a target another rank owns: row 0
     buffers = list(pool.k_buffer) + list(pool.v_buffer)  # 2L of [rows, K/TPA, D]
-    local = torch.stack([b[src_rows.clamp(min=0)].view(torch.uint8) for b in buffers], dim=1)  # [M, 2L, K/TPA, D']
+    local = torch.stack(
+        [b[src_rows.clamp(min=0)].view(torch.uint8) for b in buffers], dim=1
+    )  # [M, 2L, K/TPA, D']
     local.masked_fill_((src_rows < 0).view(-1, 1, 1, 1), 0)
     gathered = local.new_empty((n,) + local.shape)  # [KVP, M, 2L, K/TPA, D']
     group.all_gather_into_tensor(gathered.view(-1, *local.shape[1:]), local)
     owner = owner_rank(src_loc, n, c)  # [M]
-    moved = gathered[owner, torch.arange(owner.shape[0], device=owner.device)]  # [M, 2L, K/TPA, D']
+    moved = gathered[
+        owner, torch.arange(owner.shape[0], device=owner.device)
+    ]  # [M, 2L, K/TPA, D']
     for i, b in enumerate(buffers):
         b[tgt_rows] = moved[:, i].view(b.dtype)
