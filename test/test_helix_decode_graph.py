@@ -22,6 +22,12 @@ on the same batch bit for bit (the per-request split counts too), and float64 at
 whole context (what a plain-TP rank computes for those heads) within float32 rounding, over steps
 whose lengths change, with requests finishing and joining, at padded batch sizes.
 
+The step runs two layers (the first fills the batch's lists, the second reads them). The rows a
+step writes (its tokens' K/V, on the rank that owns each) hold NaN until that step: the attention
+reads them back, so a step that does not store its K/V fails, and after every replay each rank's
+pool equals its pool after eager on the same batch (the rows reset to NaN in between). The trace
+records every kernel's integer and float arguments too: a graph replays them as captured.
+
 Two KVP ranks run as two threads in one process (one Triton kernel at a time: the interpreter is
 not thread-safe), with a two-party All-to-All between them; Triton kernels under the interpreter.
 """
@@ -57,6 +63,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter
 KVP, CHUNK = 2, 2
 H, KVH, D = 4, 2, 16  # query heads per rank (Q/TPA), KV heads (GQA 2), head dim
 SLOTS, MAX_LEN = 6, 40
+NUM_LAYERS = 2
 CAPTURE_BS = (1, 2, 4)
 FILL_SEQ_LEN = 1  # TritonAttnBackend.get_cuda_graph_seq_len_fill_value()
 # (slot, seq_len) per request, per decode step: lengths grow, requests finish and join, and
@@ -175,8 +182,10 @@ def _kernel(name, fn):
 
     def launch(*args, **kwargs):
         guard = getattr(_tls, "guard", None)
-        if guard is not None:
-            guard.trace.append((name, [(tuple(t.shape), guard.where(t)) for t in _tensors((args, kwargs))]))
+        if guard is not None:  # tensors by shape and address, numbers by value (a graph replays them)
+            tensors = [(tuple(t.shape), guard.where(t)) for t in _tensors((args, kwargs))]
+            numbers = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, (bool, int, float))]
+            guard.trace.append((name, tensors, numbers))
         _tls.in_kernel = True
         try:
             with _disable_current_modes():  # a kernel is one opaque launch, as on a GPU
@@ -245,35 +254,63 @@ def _instrument(monkeypatch):
     monkeypatch.setattr(attention, "get_parallel", lambda: SimpleNamespace(dcp_group=_tls.group))
 
 
-LAYER = SimpleNamespace(
-    layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
-    k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None, logit_cap=0.0, sliding_window_size=-1,
-)  # fmt: skip
+LAYERS = [
+    SimpleNamespace(
+        layer_id=i, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
+        k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None, logit_cap=0.0, sliding_window_size=-1,
+    )  # fmt: skip
+    for i in range(NUM_LAYERS)
+]
 
 
-def _world(g):
+def _row(req_to_token, slot, pos):
+    """``(owner rank, row)`` of position ``pos`` of request slot ``slot``."""
+    owner = (pos // CHUNK) % KVP
+    return owner, int(kv_layout.write_rows(req_to_token[slot, pos : pos + 1].long(), owner, KVP, CHUNK)[0])
+
+
+def _world(g, written):
     """``(req_to_token [SLOTS, MAX_LEN], pools [KVP], keys, values)``: paged logical locs (page 0
-    reserved) and every position's K/V, written where its owner keeps it (a prefill did it)."""
+    reserved) and every position's K/V per layer (``keys[layer][slot][pos]``), written where its
+    owner keeps it (a prefill did it), except the ``written`` ``(slot, pos)`` that the steps under
+    test store themselves: NaN until then."""
     page = CHUNK * KVP
     req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)
     for slot in range(SLOTS):
         req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
     rows = (SLOTS * MAX_LEN + 1) * CHUNK
-    pools = [MHATokenToKVPool(rows, 1, torch.float32, KVH, D, 1, "cpu", enable_memory_saver=False) for _ in range(KVP)]
-    keys = {s: [None] * MAX_LEN for s in range(SLOTS)}
-    values = {s: [None] * MAX_LEN for s in range(SLOTS)}
-    for slot in range(SLOTS):
-        for pos in range(MAX_LEN):
-            keys[slot][pos] = torch.randn(KVH, D, generator=g)
-            values[slot][pos] = torch.randn(KVH, D, generator=g)
-        locs = req_to_token[slot].long()
-        for pos in range(MAX_LEN):
-            owner = (pos // CHUNK) % KVP
-            write = kv_layout.write_rows(locs, owner, KVP, CHUNK)
-            buf = pools[owner]
-            buf.get_key_buffer(0)[write[pos]] = keys[slot][pos]
-            buf.get_value_buffer(0)[write[pos]] = values[slot][pos]
+    pools = [
+        MHATokenToKVPool(rows, 1, torch.float32, KVH, D, NUM_LAYERS, "cpu", enable_memory_saver=False)
+        for _ in range(KVP)
+    ]
+    keys = [{s: [torch.randn(KVH, D, generator=g) for _ in range(MAX_LEN)] for s in range(SLOTS)} for _ in LAYERS]
+    values = [{s: [torch.randn(KVH, D, generator=g) for _ in range(MAX_LEN)] for s in range(SLOTS)} for _ in LAYERS]
+    for layer in range(NUM_LAYERS):
+        for slot in range(SLOTS):
+            for pos in range(MAX_LEN):
+                owner, row = _row(req_to_token, slot, pos)
+                stored = (slot, pos) not in written
+                pools[owner].get_key_buffer(layer)[row] = keys[layer][slot][pos] if stored else float("nan")
+                pools[owner].get_value_buffer(layer)[row] = values[layer][slot][pos] if stored else float("nan")
     return req_to_token, pools, keys, values
+
+
+def _reset(pools, req_to_token, written):
+    """The rows of ``written`` ``(slot, pos)`` back to NaN on their owners, every layer."""
+    for slot, pos in written:
+        owner, row = _row(req_to_token, slot, pos)
+        for layer in range(NUM_LAYERS):
+            pools[owner].get_key_buffer(layer)[row] = float("nan")
+            pools[owner].get_value_buffer(layer)[row] = float("nan")
+
+
+def _snapshot(pool):
+    return [b.clone() for layer in range(NUM_LAYERS) for b in (pool.get_key_buffer(layer), pool.get_value_buffer(layer))]
+
+
+def _assert_same_pool(pool, snapshot, where):
+    for i, (now, then) in enumerate(zip(_snapshot(pool), snapshot)):
+        torch.testing.assert_close(now, then, atol=0, rtol=0, equal_nan=True, msg=f"{where}: pool buffer {i}")
 
 
 def _run_ranks(exchange, fn):
@@ -313,16 +350,16 @@ def _traced(fn):
 def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
     _instrument(monkeypatch)
     g = torch.Generator().manual_seed(0)
-    req_to_token, pools, keys, values = _world(g)
+    written = {(slot, n - 1) for reqs in STEPS for slot, n in reqs}  # each step stores its token's K/V
+    req_to_token, pools, keys, values = _world(g, written)
     backends = [_TritonBackend(pools[r], req_to_token, r) for r in range(KVP)]
-    layer = LAYER
 
     # The runner's static inputs, shared by every captured size (sliced), and the graph state.
     max_bs = max(CAPTURE_BS)
     static = SimpleNamespace(
         req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.full((max_bs,), FILL_SEQ_LEN),
         out_cache_loc=torch.zeros(max_bs, dtype=torch.int64), q=torch.zeros(max_bs, H * D),
-        k=torch.zeros(max_bs, KVH * D), v=torch.zeros(max_bs, KVH * D),
+        k=torch.zeros(NUM_LAYERS, max_bs, KVH * D), v=torch.zeros(NUM_LAYERS, max_bs, KVH * D),
     )  # fmt: skip
     for backend in backends:
         backend.helix_decode.init_graph_state(max_bs, MAX_LEN)
@@ -334,10 +371,13 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             out_cache_loc=static.out_cache_loc[:bs], spec_info=None,
         )  # fmt: skip
 
-    def body(backend, batch):  # what the graph records: in-graph metadata prep + the layer
+    def body(backend, batch):  # what the graph records: in-graph metadata prep + the layers
         TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
         bs = batch.batch_size
-        return attention.helix_attention(layer, static.q[:bs], static.k[:bs], static.v[:bs], batch, backend)
+        return torch.stack([
+            attention.helix_attention(layer, static.q[:bs], static.k[i, :bs], static.v[i, :bs], batch, backend)
+            for i, layer in enumerate(LAYERS)
+        ])  # fmt: skip
 
     exchange = _Exchange()
     run_ranks = lambda fn: _run_ranks(exchange, fn)  # noqa: E731
@@ -362,19 +402,23 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         raw_bs = len(reqs)
         bs = min(b for b in CAPTURE_BS if b >= raw_bs)
         q = torch.randn(raw_bs, H * D, generator=g)
-        k = torch.stack([keys[s][n - 1] for s, n in reqs]).reshape(raw_bs, -1)
-        v = torch.stack([values[s][n - 1] for s, n in reqs]).reshape(raw_bs, -1)
+        k = torch.stack([torch.stack([keys[i][s][n - 1] for s, n in reqs]).reshape(raw_bs, -1) for i in range(NUM_LAYERS)])
+        v = torch.stack([torch.stack([values[i][s][n - 1] for s, n in reqs]).reshape(raw_bs, -1) for i in range(NUM_LAYERS)])
         batch = _batch(reqs, req_to_token)
 
-        # Eager Helix: the backend's eager hook, then the layer on the real batch.
+        # Eager Helix: the backend's eager hook, then the layers on the real batch.
         def eager(rank):
             TritonAttnBackend.init_forward_metadata(backends[rank], batch)
             calls = exchange.calls[rank]
-            out = attention.helix_attention(layer, q, k, v, batch, backends[rank]).clone()
+            out = torch.stack([
+                attention.helix_attention(layer, q, k[i], v[i], batch, backends[rank]).clone()
+                for i, layer in enumerate(LAYERS)
+            ])  # fmt: skip
             splits = backends[rank].helix_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
-            return out, exchange.calls[rank] - calls, splits
+            return out, exchange.calls[rank] - calls, splits, _snapshot(pools[rank])
 
         eager_out = run_ranks(eager)
+        _reset(pools, req_to_token, [(s, n - 1) for s, n in reqs])  # the replay must store them again
 
         # Replay: copy in and pad as the runner does, the replay-side prep, the captured body.
         static.req_pool_indices.zero_()
@@ -384,7 +428,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         static.req_pool_indices[:raw_bs] = batch.req_pool_indices
         static.seq_lens[:raw_bs] = batch.seq_lens
         static.out_cache_loc[:raw_bs] = batch.out_cache_loc
-        static.q[:raw_bs], static.k[:raw_bs], static.v[:raw_bs] = q, k, v
+        static.q[:raw_bs], static.k[:, :raw_bs], static.v[:, :raw_bs] = q, k, v
 
         def replay(rank):
             view = static_batch(bs)
@@ -392,7 +436,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             calls = exchange.calls[rank]
             out, trace = _traced(lambda: body(backends[rank], view))
             splits = backends[rank].helix_decode.graph._workspace[1][2][:raw_bs].clone()
-            return out[:raw_bs].clone(), exchange.calls[rank] - calls, trace, splits
+            return out[:, :raw_bs].clone(), exchange.calls[rank] - calls, trace, splits
 
         replayed = run_ranks(replay)
 
@@ -400,12 +444,15 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             out, a2a, trace, splits = replayed[rank]
             where = f"step {step} {reqs} (padded to {bs}), KVP rank {rank}"
             assert trace == captured[bs][rank], f"{where}: the replayed step differs from the captured one"
-            assert a2a == eager_out[rank][1] == 1, f"{where}: {a2a} All-to-Alls, eager {eager_out[rank][1]}"
+            assert a2a == eager_out[rank][1] == NUM_LAYERS, f"{where}: {a2a} All-to-Alls, eager {eager_out[rank][1]}"
             assert torch.equal(out, eager_out[rank][0]), f"{where}: graph path != eager"
             assert torch.equal(splits, eager_out[rank][2]), f"{where}: splits {splits} != eager {eager_out[rank][2]}"
+            _assert_same_pool(pools[rank], eager_out[rank][3], f"{where}: the pool after replay != after eager")
             split_counts.update(splits.tolist())
-            ref = _reference(q.view(raw_bs, H, D), keys, values, reqs, rank)
-            torch.testing.assert_close(out.view(raw_bs, H // KVP, D).double(), ref, atol=2e-5, rtol=0, msg=where)
+            for i in range(NUM_LAYERS):
+                ref = _reference(q.view(raw_bs, H, D), keys[i], values[i], reqs, rank)
+                got = out[i].view(raw_bs, H // KVP, D).double()
+                torch.testing.assert_close(got, ref, atol=2e-5, rtol=0, msg=f"{where}, layer {i}")
     assert len(split_counts) >= 3, split_counts  # the per-request split policy was exercised
 
 
@@ -443,8 +490,12 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
     monkeypatch.setattr(attention, "max_speculative_num_draft_tokens", lambda: DRAFT_STEPS * topk)
     monkeypatch.setattr(decode_state, "get_spec", lambda: SimpleNamespace(speculative_num_steps=DRAFT_STEPS))
     g = torch.Generator().manual_seed(1)
-    req_to_token, pools, keys, values = _world(g)
     steps = DRAFT_STEPS - 1
+    round_rows = [_draft_rows(reqs, topk) for reqs in DRAFT_ROUNDS]
+    round_written = [
+        sorted({(reqs[b][0], r + i) for b, r in rows for i in range(steps)}) for reqs, rows in zip(DRAFT_ROUNDS, round_rows)
+    ]  # each round's draft steps store their tokens' K/V
+    req_to_token, pools, keys, values = _world(g, {w for written in round_written for w in written})
     spec = SimpleNamespace()  # a draft step: a decode with spec_info
     states = [HelixDecodeState(req_to_token, r, KVP, CHUNK) for r in range(KVP)]
     step_backends = []  # per rank, one backend per step over the rank's one state (as the pool shares it)
@@ -461,7 +512,8 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
         SimpleNamespace(
             req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.full((max_bs,), FILL_SEQ_LEN),
             positions=torch.zeros(T_max, dtype=torch.int64), out_cache_loc=torch.zeros(steps, T_max, dtype=torch.int64),
-            q=torch.zeros(steps, T_max, H * D), k=torch.zeros(steps, T_max, KVH * D), v=torch.zeros(steps, T_max, KVH * D),
+            q=torch.zeros(steps, T_max, H * D), k=torch.zeros(NUM_LAYERS, steps, T_max, KVH * D),
+            v=torch.zeros(NUM_LAYERS, steps, T_max, KVH * D),
         )  # fmt: skip
         for _ in range(KVP)
     ]
@@ -481,7 +533,10 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
         outs = []
         for i, backend in enumerate(step_backends[rank]):
             batch.out_cache_loc = static.out_cache_loc[i, :T]
-            outs.append(attention.helix_attention(LAYER, static.q[i, :T], static.k[i, :T], static.v[i, :T], batch, backend))
+            outs.append(torch.stack([
+                attention.helix_attention(layer, static.q[i, :T], static.k[j, i, :T], static.v[j, i, :T], batch, backend)
+                for j, layer in enumerate(LAYERS)
+            ]))  # fmt: skip
             batch.positions.add_(1)
         batch.positions.sub_(steps)  # as run_once restores them
         return outs
@@ -502,20 +557,26 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
         captured[bs] = run_ranks(capture)
         launched = [entry[0] for entry in captured[bs][0]]
         assert launched.count("create_triton_kv_indices_for_dcp_triton") == steps, launched  # each step's lists, in the body
-        assert launched.count("decode_attention_fwd") == steps and "dcp_pack_a2a_send" not in launched
+        assert launched.count("decode_attention_fwd") == steps * NUM_LAYERS and "dcp_pack_a2a_send" not in launched
 
     for round_no, reqs in enumerate(DRAFT_ROUNDS):
         raw_bs = len(reqs)
         bs = min(b for b in CAPTURE_BS if b >= raw_bs)
-        rows = _draft_rows(reqs, topk)
+        rows = round_rows[round_no]
         T, T_pad = raw_bs * topk, bs * topk
         slots = torch.tensor([s for s, _ in reqs])
         seq = torch.tensor([n for _, n in reqs])
         positions = torch.tensor([reqs[b][1] for b, _ in rows])  # RoPE position of step 0: seq_len
         loc = torch.stack([torch.stack([req_to_token[reqs[b][0], r + i] for b, r in rows]) for i in range(steps)]).long()
         q = torch.randn(steps, T, H * D, generator=g)
-        k = torch.stack([torch.stack([keys[reqs[b][0]][r + i] for b, r in rows]) for i in range(steps)]).reshape(steps, T, -1)
-        v = torch.stack([torch.stack([values[reqs[b][0]][r + i] for b, r in rows]) for i in range(steps)]).reshape(steps, T, -1)
+        k = torch.stack([
+            torch.stack([torch.stack([keys[j][reqs[b][0]][r + i] for b, r in rows]) for i in range(steps)]).reshape(steps, T, -1)
+            for j in range(NUM_LAYERS)
+        ])  # fmt: skip
+        v = torch.stack([
+            torch.stack([torch.stack([values[j][reqs[b][0]][r + i] for b, r in rows]) for i in range(steps)]).reshape(steps, T, -1)
+            for j in range(NUM_LAYERS)
+        ])  # fmt: skip
 
         def eager(rank):  # the eager draft: each step backend's init_forward_metadata, then its layer
             outs = []
@@ -526,42 +587,47 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
                 )  # fmt: skip
                 TritonAttnBackend.init_forward_metadata(backend, batch)
                 calls = exchange.calls[rank]
-                outs.append(attention.helix_attention(LAYER, q[i], k[i], v[i], batch, backend))
-                assert exchange.calls[rank] - calls == 1
-            return outs
+                outs.append(torch.stack([
+                    attention.helix_attention(layer, q[i], k[j, i], v[j, i], batch, backend) for j, layer in enumerate(LAYERS)
+                ]))  # fmt: skip
+                assert exchange.calls[rank] - calls == NUM_LAYERS
+            return outs, _snapshot(pools[rank])
 
         eager_out = run_ranks(eager)
+        _reset(pools, req_to_token, round_written[round_no])  # the replay must store them again
 
         # Replay: the round copied into the static inputs and padded (slot 0, seq_len 1, position 0, loc 0).
         for static in statics:
             static.req_pool_indices.zero_(), static.seq_lens.fill_(FILL_SEQ_LEN), static.positions.zero_()
             static.out_cache_loc.zero_(), static.q.zero_(), static.k.zero_(), static.v.zero_()
             static.req_pool_indices[:raw_bs], static.seq_lens[:raw_bs], static.positions[:T] = slots, seq, positions
-            static.out_cache_loc[:, :T], static.q[:, :T], static.k[:, :T], static.v[:, :T] = loc, q, k, v
+            static.out_cache_loc[:, :T], static.q[:, :T], static.k[:, :, :T], static.v[:, :, :T] = loc, q, k, v
 
         def replay(rank):
             view = static_batch(rank, bs)
             calls = exchange.calls[rank]
             outs, trace = _traced(lambda: body(rank, view))
-            return [o[:T].clone() for o in outs], exchange.calls[rank] - calls, trace
+            return [o[:, :T].clone() for o in outs], exchange.calls[rank] - calls, trace
 
         replayed = run_ranks(replay)
         for rank in range(KVP):
             outs, a2a, trace = replayed[rank]
             where = f"round {round_no} {reqs} (padded to {bs}, {T_pad} tokens), KVP rank {rank}"
             assert trace == captured[bs][rank], f"{where}: the replayed draft round differs from the captured one"
-            assert a2a == steps, f"{where}: {a2a} All-to-Alls for {steps} steps"
+            assert a2a == steps * NUM_LAYERS, f"{where}: {a2a} All-to-Alls for {steps} steps x {NUM_LAYERS} layers"
+            _assert_same_pool(pools[rank], eager_out[rank][1], f"{where}: the pool after replay != after eager")
             h = H // KVP
             for i in range(steps):
-                assert torch.equal(outs[i], eager_out[rank][i]), f"{where}, step {i}: graph path != eager"
-                for t, (b, r) in enumerate(rows):  # the prefix, then the token's own drafts up to this step
-                    slot, n = reqs[b]
+                assert torch.equal(outs[i], eager_out[rank][0][i]), f"{where}, step {i}: graph path != eager"
+                for j, t, (b, r) in ((j, t, br) for j in range(NUM_LAYERS) for t, br in enumerate(rows)):
+                    slot, n = reqs[b]  # the prefix, then the token's own drafts up to this step
                     pos = list(range(n)) + list(range(r, r + i + 1))
-                    kb = torch.stack([keys[slot][p] for p in pos]).double().repeat_interleave(H // KVH, dim=1)
-                    vb = torch.stack([values[slot][p] for p in pos]).double().repeat_interleave(H // KVH, dim=1)
+                    kb = torch.stack([keys[j][slot][p] for p in pos]).double().repeat_interleave(H // KVH, dim=1)
+                    vb = torch.stack([values[j][slot][p] for p in pos]).double().repeat_interleave(H // KVH, dim=1)
                     sc = torch.einsum("hd,lhd->hl", q[i, t].view(H, D).double(), kb) * D**-0.5
                     ref = torch.einsum("hl,lhd->hd", sc.softmax(-1), vb)[rank * h : (rank + 1) * h]
-                    torch.testing.assert_close(outs[i][t].view(h, D).double(), ref, atol=2e-5, rtol=0, msg=where)
+                    got = outs[i][j, t].view(h, D).double()
+                    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0, msg=f"{where}, layer {j}")
 
 
 @pytest.mark.parametrize("kvp,chunk", [(2, 2), (4, 2), (3, 5), (8, 64)])
