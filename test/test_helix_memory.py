@@ -35,15 +35,21 @@ MODELS = {
 CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
 
 
-def _reserved(monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True, cores=132, topk=None):
+def _reserved(
+    monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True, cores=132, topk=None,
+    graphs=True, decode_backend=None, cpu=False,
+):  # fmt: skip
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
     parallel = SimpleNamespace(
         helix_enabled=helix, attn_dcp_size=KVP, attn_tp_size=TP, dcp_interleave_size=CHUNK,
     )  # fmt: skip
     exec_ = SimpleNamespace(
-        graph=SimpleNamespace(disable_cuda_graph=False, cuda_graph_config=SimpleNamespace(
-            decode=SimpleNamespace(bs=[1, 2, 4, 8, 16, 32, 64, 128, MAX_BS]))),
+        graph=SimpleNamespace(disable_cuda_graph=not graphs, cuda_graph_config=SimpleNamespace(
+            decode=SimpleNamespace(bs=[1, 2, 4, 8, 16, 32, 64, 128, MAX_BS], backend=decode_backend or Backend.FULL))),
         kernel=SimpleNamespace(triton_attention_num_kv_splits=splits_flag),
     )  # fmt: skip
+    monkeypatch.setattr(sglang.srt.utils, "is_cpu", lambda: cpu)
     spec = SimpleNamespace(speculative_algorithm="EAGLE" if topk else None, speculative_eagle_topk=topk)
     monkeypatch.setattr(decode_state, "get_parallel", lambda: parallel)
     monkeypatch.setattr(decode_state, "get_spec", lambda: spec)
@@ -88,6 +94,36 @@ def test_reserved_equals_allocated_for_real_models(name, cores, monkeypatch):
 
 def test_nothing_is_reserved_with_helix_off(monkeypatch):
     assert _reserved(monkeypatch, 64, 8, 128, helix=False) == 0
+
+
+def test_nothing_is_reserved_without_decode_graphs(monkeypatch):
+    """The buffer set is charged only when decode graphs are captured: not with
+    ``--disable-cuda-graph``, the decode phase disabled, or on the CPU engine (it captures only with
+    torch.compile, which Helix refuses). Eager decode then allocates each step's buffers (as
+    upstream's eager decode its split buffers), so nothing persistent is left uncharged."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    assert _reserved(monkeypatch, 64, 8, 128) > 0
+    assert decode_state.reserved_batch() == MAX_BS
+    for off in (dict(graphs=False), dict(decode_backend=Backend.DISABLED), dict(cpu=True)):
+        assert _reserved(monkeypatch, 64, 8, 128, **off) == 0, off
+        assert decode_state.reserved_batch() == 0, off  # and the state allocates no persistent set
+
+
+def test_each_head_configuration_gets_its_own_workspace():
+    """A speculative draft whose layers have other heads than its target's (a STANDALONE draft)
+    shares the rank's buffer set: in a graph's fixed set each head configuration gets its own
+    workspace, allocated once, and the target's stays where the captured graph holds it."""
+    state = HelixDecodeState(torch.zeros(3, 64, dtype=torch.int32), 0, KVP, CHUNK)
+    state.init_graph_state(4, 64)
+    buffers = state.graph
+    policy = decode_state.KVSplitPolicy(8, 8, 0)
+    target = buffers.workspace(4, 8, 2, 64, torch.float32, policy)
+    draft = buffers.workspace(4, 4, 1, 64, torch.float32, policy)  # the draft's heads
+    assert draft[0].shape == (4, 4, 8, 64) and target[0].shape == (4, 8, 8, 64)
+    again = buffers.workspace(2, 8, 2, 64, torch.float32, policy)  # the target's again: the same memory
+    assert all(a.data_ptr() == t.data_ptr() for a, t in zip(again, target))
+    assert len(buffers._workspaces) == 2
 
 
 @pytest.mark.parametrize("helix", [True, False], ids=["helix", "off"])

@@ -192,9 +192,10 @@ class HelixDecodeBuffers:
         self.write_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self._workspace: Optional[Tuple] = (
-            None  # (key, tensors) of the per-layer workspace
-        )
+        # The per-layer workspaces by head configuration (a speculative draft's layers may have
+        # other heads than the target's), and the one the last layer used: (key, tensors).
+        self._workspaces: dict = {}
+        self._workspace: Optional[Tuple] = None
 
     def workspace(
         self,
@@ -206,21 +207,16 @@ class HelixDecodeBuffers:
         splits: KVSplitPolicy,
     ):
         """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [T], send, recv)``:
-        allocated once by the first layer that asks (before any capture) for every batch up to
-        ``max_bs``, views after; every layer has the same head shape."""
+        allocated once per head configuration by the first layer that asks (before any capture:
+        the target's layers, and a draft's whose heads differ) for every batch up to ``max_bs``,
+        views after."""
         kvp_size = self.kvp_size
         key = (num_heads, num_kv_heads, v_head_dim, dtype, splits)
-        if self._workspace is None or self._workspace[0] != key:
-            if self._workspace is not None and self.fixed:
-                raise RuntimeError(
-                    f"helix decode: the graph workspace was allocated for {self._workspace[0]}, "
-                    f"a layer asks for {key}"
-                )
+        if key not in self._workspaces:
             rows = splits.workspace_rows(self.max_bs, num_heads, num_kv_heads)
-            self._workspace = (
-                key,
-                self._allocate(num_heads, v_head_dim, dtype, rows, kvp_size),
-            )
+            tensors = self._allocate(num_heads, v_head_dim, dtype, rows, kvp_size)
+            self._workspaces[key] = tensors
+        self._workspace = (key, self._workspaces[key])
         logits, lse_s, num_kv_splits, send, recv = self._workspace[1]
         T, S = num_tokens, splits.grid_splits(num_tokens, num_heads, num_kv_heads)
         a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
@@ -269,33 +265,43 @@ def buffer_bytes(
 
 def reserved_batch() -> int:
     """``B``: the tokens Helix's one decode buffer set is sized for -- the largest decode CUDA-graph
-    batch configured (``cuda_graph_config.decode.bs``, resolved even when graphs are off), times a
-    tree draft's ``--speculative-eagle-topk`` (a draft step lists each of its tokens).
+    batch configured (``cuda_graph_config.decode.bs``), times a tree draft's
+    ``--speculative-eagle-topk`` (a draft step lists each of its tokens); 0 when no decode graph is
+    captured (``--disable-cuda-graph``, the decode phase disabled, or the CPU engine, which captures
+    only with torch.compile): eager decode then allocates each step's buffers, as upstream's eager
+    decode allocates its split buffers.
     """
+    from sglang.srt.model_executor.cuda_graph_config import Backend
     from sglang.srt.runtime_context import get_exec
+    from sglang.srt.utils import is_cpu
 
-    alg = (
-        get_spec().speculative_algorithm
-    )  # NGRAM's top-k shapes its verify; it has no draft steps
-    topk = (
-        get_spec().speculative_eagle_topk
-        if alg is not None and str(alg).upper() != "NGRAM"
-        else None
-    )
+    graph = get_exec().graph
+    config = graph.cuda_graph_config
+    if (
+        is_cpu()
+        or graph.disable_cuda_graph
+        or config is None
+        or config.decode.backend == Backend.DISABLED
+    ):
+        return 0
+    # NGRAM's top-k shapes its verify; it has no draft steps
+    alg = get_spec().speculative_algorithm
+    ngram = alg is None or str(alg).upper() == "NGRAM"
+    topk = None if ngram else get_spec().speculative_eagle_topk
     return max(get_exec().graph.cuda_graph_config.decode.bs or [0]) * max(1, topk or 1)
 
 
 def graph_buffer_bytes(kvc) -> int:
     """What the one decode buffer set (``reserved_batch()`` requests at the model's context; graphs and
     every eager batch that fits use it) allocates on this rank, for the KV pool sizing to charge; 0
-    with Helix off."""
+    with Helix off or without decode graphs."""
     from sglang.srt.runtime_context import get_exec
     from sglang.srt.utils import get_device_core_count
 
     parallel = get_parallel()
-    if not parallel.helix_enabled:
+    max_bs = reserved_batch() if parallel.helix_enabled else 0
+    if max_bs == 0:
         return 0
-    max_bs = reserved_batch()
     model_config = kvc.model_config
     kvp, chunk = parallel.attn_dcp_size, parallel.dcp_interleave_size
     capacity = max_bs * int(local_kv_lens(model_config.context_len, 0, kvp, chunk))
