@@ -72,7 +72,7 @@ def heatmap(rows, layout, path):
     lengths = sorted({n for _, n in cells})
     depths = sorted({d for d, _ in cells})
     cw, ch, left, top = 70, 28, 60, 40
-    img = Image.new("RGB", (left + cw * len(lengths) + 10, top + ch * len(depths) + 40), "white")
+    img = Image.new("RGB", (max(left + cw * len(lengths) + 10, 330), top + ch * len(depths) + 40), "white")
     draw = ImageDraw.Draw(img)
     draw.text((8, 8), f"SmolLM2-135M passkey retrieval, {layout}", fill="black")
     for i, d in enumerate(depths):
@@ -104,7 +104,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--png-dir", help="write retrieval-<layout>.png heatmaps here")
     ap.add_argument("--log-dir")
+    ap.add_argument("--from-json", help="only redraw the heatmaps (--png-dir) of a --json file")
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)["rows"]
+        for layout in dict.fromkeys(r["layout"] for r in rows):
+            heatmap(rows, layout, os.path.join(args.png_dir or ".", f"retrieval-{layout.replace(':', '-')}.png"))
+        return 0
 
     model = smollm2_checkpoint()
     lengths = [int(x) for x in args.lengths.split(",") if x]
