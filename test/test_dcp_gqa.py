@@ -72,7 +72,7 @@ def test_dcp_q_partition(tp, dcp, replicate, monkeypatch):
     [(False, False), (True, False), (False, True), (True, True)],
     ids=["plain-target", "plain-draft", "replicated-target", "replicated-draft"],
 )
-def test_dcp_kv_partition_heads_match_the_pool(draft, replicate, monkeypatch):
+def test_dcp_draft_kv_heads_match_the_pool(draft, replicate, monkeypatch):
     """A model's KV heads per rank (``K // kv_tp_size``, as its attention sizes them from
     ``dcp_kv_partition``) equal what its KV pool stores (``ModelConfig.get_num_kv_heads``). A
     speculative draft (built in ``draft_model_build_scope``) does not join the DCP group, so its

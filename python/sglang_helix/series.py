@@ -472,7 +472,7 @@ PREFIX_TESTS = {
         "test/test_dcp_gqa.py", "-k", "q_partition or rq-a2a or rq-triton",  # full tier: dcp2-rq-triton (~3 min)
     ],
     "[DCP] A speculative draft keeps K/tp KV heads: it does not join the DCP group": [
-        "test/test_dcp_gqa.py", "-k", "heads_match_the_pool and not replicated-draft",  # (that one: the Helix draft patch's)
+        "test/test_dcp_gqa.py", "-k", "draft_kv_heads_match_the_pool and not replicated-draft",  # (that one: the Helix draft patch's)
     ],
     "[DCP] The fused rope + KV write is off under DCP on every platform": [
         "test/test_dcp_gqa.py", "-k", "fused_kv_write",
