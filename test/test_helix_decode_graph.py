@@ -46,6 +46,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
+from conftest import FULL  # noqa: E402
 from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 
 if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
@@ -477,6 +478,10 @@ def _draft_rows(reqs, topk):
     return out
 
 
+# Full tier (2026-11-27, ~3.3 min of the default run on 2 cores): the default run keeps the decode
+# step's capture test (the same hooks, buffers, NaN rows and pool comparison) and each draft step's
+# list fill at its series prefix; HELIX_TEST_FULL=1 runs the chain and tree draft rounds.
+@FULL
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
 def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk):
     """A speculative draft round through the draft graph runner's hooks, in its order: one
