@@ -555,44 +555,16 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, ba
     )  # [3, T, Q/TPA, Dv]
     lses = torch.empty((3, T, H), dtype=torch.float32, device=q.device)
     k, v = k.contiguous(), v.contiguous()
+    # (qo_indptr, kv_indptr, kv_indices, max_len, lens_cpu) of the prefix call and the segments'
+    prefix = (x.qo_indptr, x.prefix_kv_indptr, x.prefix_kv_indices, x.max_extend_len)
+    seg = (x.seg_qo_indptr, x.seg_kv_indptr, x.seg_kv_indices, x.max_seg_len)
     calls = (
-        (
-            x.qo_indptr,
-            x.prefix_kv_indptr,
-            x.prefix_kv_indices,
-            x.max_extend_len,
-            x.extend_lens_cpu,
-            True,
-            False,
-        ),
-        (
-            x.seg_qo_indptr,
-            x.seg_kv_indptr,
-            x.seg_kv_indices,
-            x.max_seg_len,
-            x.seg_lens_cpu,
-            True,
-            False,
-        ),
-        (
-            x.seg_qo_indptr,
-            x.seg_kv_indptr,
-            x.seg_kv_indices,
-            x.max_seg_len,
-            x.seg_lens_cpu,
-            False,
-            True,
-        ),
+        (*prefix, x.extend_lens_cpu, True, False),
+        (*seg, x.seg_lens_cpu, True, False),
+        (*seg, x.seg_lens_cpu, False, True),
     )
-    for i, (
-        qo,
-        kv_indptr,
-        kv_indices,
-        max_len,
-        lens_cpu,
-        skip_extend,
-        skip_prefix,
-    ) in enumerate(calls):
+    for i, call in enumerate(calls):
+        qo, kv_indptr, kv_indices, max_len, lens_cpu, skip_extend, skip_prefix = call
         extend_attention_fwd(
             q,
             k,
