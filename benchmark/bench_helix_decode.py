@@ -215,7 +215,7 @@ def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
     elif layout.kvp == 1:
         heads, tokens = max(1.0, k / layout.tp), context
     else:
-        from sglang.srt.layers.helix.kv_layout import local_kv_lens
+        from sglang.srt.layers.dcp.gqa_layout import local_kv_lens
 
         heads = k / layout.tpa
         tokens = int(local_kv_lens(context, 0, layout.kvp, layout.chunk))  # the largest shard: rank 0's
@@ -374,10 +374,10 @@ PROFILE_BUCKETS = (
     ("helix All-to-All + merge", ("dcp_a2a_lse_reduce", "dcp_lse_combine", "all_to_all")),
     ("all-reduce (o_proj / MLP / embedding)", ("all_reduce", "tensor_model_parallel_all_reduce")),
     ("all-gather (logits)", ("all_gather", "tensor_model_parallel_all_gather")),
-    ("helix metadata (lists, write rows)", ("HelixForwardMetadata.build", "local_kv_indices", "write_rows", "prepare_eager")),
+    ("helix metadata (lists, write rows)", ("DcpGqaForwardMetadata.build", "local_kv_indices", "write_rows", "prepare_eager")),
     ("helix KV gather (_read_rows)", ("_read_rows",)),
     ("helix partial (einsum, softmax)", ("_torch_partial",)),
-    ("helix KV write + other", ("helix_attention",)),
+    ("helix KV write + other", ("dcp_gqa_attention",)),
     ("plain TP attention (SDPA decode)", ("forward_decode", "_run_sdpa_forward_decode")),
     ("MLP GEMMs", ("LlamaMLP.forward", "SiluAndMul")),
     ("qkv / o projections, norms, RoPE", ("LlamaAttention.forward", "LlamaDecoderLayer.forward", "RMSNorm")),

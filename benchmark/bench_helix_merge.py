@@ -28,7 +28,7 @@ from sglang.kernels.ops.attention.dcp_kernels import (  # noqa: E402
     dcp_pack_a2a_send,
     dcp_pack_a2a_send_torch,
 )
-from sglang.srt.layers.helix.decode_state import a2a_buffer_shape, send_views  # noqa: E402
+from sglang.srt.layers.dcp.gqa_decode import a2a_buffer_shape, send_views  # noqa: E402
 
 PATHS = {  # name: (pack, combine)
     "triton": (dcp_pack_a2a_send, dcp_lse_combine_triton),

@@ -79,9 +79,9 @@ def split_counts(lens: torch.Tensor, heads: int, kv_heads: int, splits: int, pol
     num = torch.full(lens.shape, splits, dtype=torch.int32, device=lens.device)
     if not policy:
         return num, splits
-    from sglang.srt.layers.helix import decode_state
+    from sglang.srt.layers.dcp import gqa_decode as decode_state
 
-    kv_policy = decode_state.KVSplitPolicy(splits, max(splits, decode_state.HELIX_MAX_KV_SPLITS), cores)
+    kv_policy = decode_state.KVSplitPolicy(splits, max(splits, decode_state.DCP_GQA_MAX_KV_SPLITS), cores)
     extent = kv_policy.grid_splits(lens.shape[0], heads, kv_heads)
     decode_state.num_kv_splits_by_local_len(num, lens, heads, kv_heads, extent, cores)
     return num, extent

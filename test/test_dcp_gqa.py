@@ -83,7 +83,7 @@ def test_dcp_draft_kv_heads_match_the_pool(draft, replicate, monkeypatch):
     from sglang.srt.layers import linear
 
     tp, dcp, num_kv_heads = 4, 2, 4
-    parallel = SimpleNamespace(attn_dcp_size=dcp, dcp_replicate_q_proj=replicate, helix_enabled=replicate)
+    parallel = SimpleNamespace(attn_dcp_size=dcp, dcp_replicate_q_proj=replicate, dcp_gqa_mode=replicate)
     monkeypatch.setattr(linear, "get_parallel", lambda: parallel)
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: parallel)
     monkeypatch.setattr(linear, "get_flags", lambda: SimpleNamespace(moe=SimpleNamespace(in_speculative_scope=draft)))

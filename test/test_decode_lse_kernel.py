@@ -302,13 +302,13 @@ def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, k
     out_view, lse_view = views(send)
     run_kernel(patched, *args, o=out_view, output_lse=lse_view)
     assert torch.equal(send.view(torch.int32), packed.view(torch.int32))
-    if importlib.util.find_spec("sglang.srt.layers.helix") is not None:
-        from sglang.srt.layers.helix import decode_state
+    if importlib.util.find_spec("sglang.srt.layers.dcp.gqa_decode") is not None:
+        from sglang.srt.layers.dcp import gqa_decode as decode_state
 
         assert decode_state.a2a_buffer_shape(B, H, head_dim, q.dtype, kvp) == shape
-        for mine, helix in zip(views(send), decode_state.send_views(send, head_dim)):
+        for mine, gqa in zip(views(send), decode_state.send_views(send, head_dim)):
             assert (mine.data_ptr(), mine.shape, mine.stride(), mine.dtype) == (
-                helix.data_ptr(), helix.shape, helix.stride(), helix.dtype,
+                gqa.data_ptr(), gqa.shape, gqa.stride(), gqa.dtype,
             )  # fmt: skip
     # The same option writes any strided layout, e.g. [B, H/KVP, KVP, D] (FlashInfer's
     # decode_cp_a2a_lse_reduce partial_o) seen through a permute.

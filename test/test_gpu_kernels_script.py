@@ -30,7 +30,7 @@ def test_cpu_smoke_is_exact(tmp_path):
     assert all(row["max_abs_err_vs_fp64"] < 1e-5 for row in rows), rows
     assert all(row["plain_tp_max_abs_err_vs_fp64"] < 1e-5 for row in rows), rows  # the plain-TP path runs in the smoke too
     assert all(row["fused_equals_unfused"] for row in rows), rows  # stage 2 into the send buffer == pack
-    # 100 and 50 local tokens: one split with the policy (< HELIX_MIN_TOKENS_PER_SPLIT), --splits 2 without
+    # 100 and 50 local tokens: one split with the policy (< DCP_GQA_MIN_TOKENS_PER_SPLIT), --splits 2 without
     assert [row["helix_splits"] for row in rows] == [1, 2, 1, 2], rows
 
 

@@ -188,15 +188,15 @@ def test_unsupported_architecture(model, tmp_path):
 
 
 def test_model_class_must_opt_in(model, monkeypatch):
-    """An architecture is served only while its model class declares ``supports_helix`` in its own
+    """An architecture is served only while its model class declares ``supports_dcp_gqa`` in its own
     body (set by the model's patch; the one source of the opt-in): before that patch,
     --helix-kvp-size > 1 is refused at argument time instead of running an attention that ignores
     it. What every prefix of the series checks (``series prefixes``)."""
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.mistral import MistralForCausalLM
 
-    assert vars(LlamaForCausalLM)["supports_helix"] and vars(MistralForCausalLM)["supports_helix"]
-    monkeypatch.setattr(LlamaForCausalLM, "supports_helix", False)
+    assert vars(LlamaForCausalLM)["supports_dcp_gqa"] and vars(MistralForCausalLM)["supports_dcp_gqa"]
+    monkeypatch.setattr(LlamaForCausalLM, "supports_dcp_gqa", False)
     path = model()
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
         "--helix-kvp-size 2 supports only MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
@@ -214,7 +214,7 @@ def test_inherited_opt_in_is_not_enough(model, tmp_path):
     from sglang.srt.models.registry import ModelRegistry
 
     arch = "LlamaForCausalLMEagle"
-    assert getattr(ModelRegistry.models.get(arch), "supports_helix", False)
+    assert getattr(ModelRegistry.models.get(arch), "supports_dcp_gqa", False)
     path = str(tmp_path / "eagle")
     shutil.copytree(model(), path)
     with open(os.path.join(path, "config.json")) as f:
@@ -340,7 +340,7 @@ UNSUPPORTED = {
         "or use --helix-kvp-size 1.",
     ),
     # Prefill and decode on different backends: SGLang wraps them in a HybridAttnBackend, which
-    # helix_attention used to run through its per-request torch loop.
+    # dcp_gqa_attention used to run through its per-request torch loop.
     "split-backends": (
         ["--prefill-attention-backend", "triton", "--decode-attention-backend", "torch_native"],
         _unsupported("different prefill and decode attention backends",
@@ -731,22 +731,22 @@ def test_max_total_tokens_below_one_page(model):
 
 
 def test_accessors_and_published_parallel(model):
-    from sglang.srt.arg_groups.helix_hook import helix_enabled
+    from sglang.srt.arg_groups.helix_hook import dcp_gqa_mode
     from sglang.srt.runtime_context import create_context
 
     on = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "128"])
     off = resolve(model(), ["--tp", "4"])
-    assert helix_enabled(view(on)) and not helix_enabled(view(off))
+    assert dcp_gqa_mode(view(on)) and not dcp_gqa_mode(view(off))
 
     parallel = create_context(on, role="test").parallel
-    assert parallel.helix_enabled is True
+    assert parallel.dcp_gqa_mode is True
     # The runtime reads DCP's fields: group width, exchange, interleave (no Helix group or ranks).
     assert (parallel.dcp_size, parallel.attn_dcp_size, parallel.dcp_interleave_size) == (2, 2, 128)
     assert (parallel.dcp_comm_backend, parallel.dcp_replicate_q_proj) == ("a2a", True)
     for gone in ("helix_tpa_size", "helix_kvp_rank", "helix_tpa_rank", "helix_kvp_group"):
         assert not hasattr(parallel, gone), gone
     parallel = create_context(off, role="test").parallel
-    assert parallel.helix_enabled is False
+    assert parallel.dcp_gqa_mode is False
     assert (parallel.helix_kvp_size, parallel.dcp_size, parallel.dcp_interleave_size) == (1, 1, 1)
 
 

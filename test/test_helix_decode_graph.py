@@ -5,7 +5,7 @@ order, and proves that re-running the Python of a captured step is what a replay
 
 - **capture** (per captured batch size, largest first): the runner's static inputs sliced to the
   size, ``init_forward_metadata_out_graph(in_capture=True)``, then the captured body twice as warm-up
-  and once as "capture": ``init_forward_metadata_in_graph`` + the layer (``helix_attention``).
+  and once as "capture": ``init_forward_metadata_in_graph`` + the layer (``dcp_gqa_attention``).
 - **replay**: the real batch copied into the static inputs, padded as the runner pads (``seq_len``
   1, slot 0, write loc 0), ``init_forward_metadata_out_graph`` on the replay view, then the
   captured body again.
@@ -54,8 +54,8 @@ if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
 
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.dcp import comm as dcp_comm  # noqa: E402
-from sglang.srt.layers.helix import attention, decode_state, kv_layout  # noqa: E402
-from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
+from sglang.srt.layers.dcp import gqa_attention as attention, gqa_decode as decode_state, gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
@@ -93,8 +93,8 @@ class _TritonBackend(TritonAttnBackend):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
         # An H100's SM count: the per-request split policy runs (kv_split_policy).
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 132, None
-        self.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
-        self.helix_metadata = None
+        self.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
+        self.dcp_gqa_metadata = None
 
 
 class _Exchange:
@@ -246,8 +246,8 @@ def _reference(q, keys, values, reqs, rank):
 def _instrument(monkeypatch):
     """Trace the step's kernels, forbid host reads, and route the All-to-All to this thread's group."""
     # The split policy at these tiny lengths: up to 8 splits, one per 2 local tokens.
-    monkeypatch.setattr(decode_state, "HELIX_MAX_KV_SPLITS", 8)
-    monkeypatch.setattr(decode_state, "HELIX_MIN_TOKENS_PER_SPLIT", 2)
+    monkeypatch.setattr(decode_state, "DCP_GQA_MAX_KV_SPLITS", 8)
+    monkeypatch.setattr(decode_state, "DCP_GQA_MIN_TOKENS_PER_SPLIT", 2)
     for name, module in KERNELS.items():
         monkeypatch.setattr(module, name, _kernel(name, getattr(module, name)))
     for name in ("item", "tolist", "cpu", "numpy"):
@@ -363,7 +363,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         k=torch.zeros(NUM_LAYERS, max_bs, KVH * D), v=torch.zeros(NUM_LAYERS, max_bs, KVH * D),
     )  # fmt: skip
     for backend in backends:
-        backend.helix_decode.init_graph_state(max_bs, MAX_LEN)
+        backend.dcp_gqa_decode.init_graph_state(max_bs, MAX_LEN)
 
     def static_batch(bs):
         return SimpleNamespace(
@@ -376,7 +376,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
         bs = batch.batch_size
         return torch.stack([
-            attention.helix_attention(layer, static.q[:bs], static.k[i, :bs], static.v[i, :bs], batch, backend)
+            attention.dcp_gqa_attention(layer, static.q[:bs], static.k[i, :bs], static.v[i, :bs], batch, backend)
             for i, layer in enumerate(LAYERS)
         ])  # fmt: skip
 
@@ -412,10 +412,10 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata(backends[rank], batch)
             calls = exchange.calls[rank]
             out = torch.stack([
-                attention.helix_attention(layer, q, k[i], v[i], batch, backends[rank]).clone()
+                attention.dcp_gqa_attention(layer, q, k[i], v[i], batch, backends[rank]).clone()
                 for i, layer in enumerate(LAYERS)
             ])  # fmt: skip
-            splits = backends[rank].helix_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
+            splits = backends[rank].dcp_gqa_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
             return out, exchange.calls[rank] - calls, splits, _snapshot(pools[rank])
 
         eager_out = run_ranks(eager)
@@ -436,7 +436,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata_out_graph(backends[rank], view)
             calls = exchange.calls[rank]
             out, trace = _traced(lambda: body(backends[rank], view))
-            splits = backends[rank].helix_decode.graph._workspace[1][2][:raw_bs].clone()
+            splits = backends[rank].dcp_gqa_decode.graph._workspace[1][2][:raw_bs].clone()
             return out[:, :raw_bs].clone(), exchange.calls[rank] - calls, trace, splits
 
         replayed = run_ranks(replay)
@@ -502,12 +502,12 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
     ]  # each round's draft steps store their tokens' K/V
     req_to_token, pools, keys, values = _world(g, {w for written in round_written for w in written})
     spec = SimpleNamespace()  # a draft step: a decode with spec_info
-    states = [HelixDecodeState(req_to_token, r, KVP, CHUNK) for r in range(KVP)]
+    states = [DcpGqaDecodeState(req_to_token, r, KVP, CHUNK) for r in range(KVP)]
     step_backends = []  # per rank, one backend per step over the rank's one state (as the pool shares it)
     for r in range(KVP):
         step_backends.append([_TritonBackend(pools[r], req_to_token, r) for _ in range(steps)])
         for backend in step_backends[r]:
-            backend.helix_decode = states[r]
+            backend.dcp_gqa_decode = states[r]
     max_bs = max(CAPTURE_BS)
     for state in states:  # the per-step backends' init_cuda_graph_state: max_bs * topk tokens
         state.init_graph_state(max_bs * topk, MAX_LEN)
@@ -539,7 +539,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
         for i, backend in enumerate(step_backends[rank]):
             batch.out_cache_loc = static.out_cache_loc[i, :T]
             outs.append(torch.stack([
-                attention.helix_attention(layer, static.q[i, :T], static.k[j, i, :T], static.v[j, i, :T], batch, backend)
+                attention.dcp_gqa_attention(layer, static.q[i, :T], static.k[j, i, :T], static.v[j, i, :T], batch, backend)
                 for j, layer in enumerate(LAYERS)
             ]))  # fmt: skip
             batch.positions.add_(1)
@@ -593,7 +593,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
                 TritonAttnBackend.init_forward_metadata(backend, batch)
                 calls = exchange.calls[rank]
                 outs.append(torch.stack([
-                    attention.helix_attention(layer, q[i], k[j, i], v[j, i], batch, backend) for j, layer in enumerate(LAYERS)
+                    attention.dcp_gqa_attention(layer, q[i], k[j, i], v[j, i], batch, backend) for j, layer in enumerate(LAYERS)
                 ]))  # fmt: skip
                 assert exchange.calls[rank] - calls == NUM_LAYERS
             return outs, _snapshot(pools[rank])
@@ -663,7 +663,7 @@ def test_eager_lists_without_a_charged_set():
     req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)
     for slot in range(SLOTS):
         req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
-    state = HelixDecodeState(req_to_token, 1, KVP, CHUNK)
+    state = DcpGqaDecodeState(req_to_token, 1, KVP, CHUNK)
     for reqs in STEPS:
         batch = _batch(reqs, req_to_token)
         state.prepare_eager(batch)
@@ -678,7 +678,7 @@ def test_eager_lists_without_a_charged_set():
         assert state.graph is None and not meta.buffers.fixed  # nothing kept but the step's metadata
 
 
-def _splits(lens, cores=132, num_heads=8, num_kv_heads=1, cap=decode_state.HELIX_MAX_KV_SPLITS):
+def _splits(lens, cores=132, num_heads=8, num_kv_heads=1, cap=decode_state.DCP_GQA_MAX_KV_SPLITS):
     out = torch.zeros(len(lens), dtype=torch.int32)
     decode_state.num_kv_splits_by_local_len(out, torch.tensor(lens), num_heads, num_kv_heads, cap, cores)
     return out.tolist()
@@ -686,10 +686,10 @@ def _splits(lens, cores=132, num_heads=8, num_kv_heads=1, cap=decode_state.HELIX
 
 def test_split_policy_per_request_from_local_length():
     """Upstream's split heuristic fed with local KV lengths (Llama-70B per-rank heads, an H100's
-    SM count), at most one split per HELIX_MIN_TOKENS_PER_SPLIT tokens: monotone in a request's
+    SM count), at most one split per DCP_GQA_MIN_TOKENS_PER_SPLIT tokens: monotone in a request's
     length, capped, per request (a short request next to a long one is not split like it), and
     upstream's fixed count where the SM count is unknown (the CPU)."""
-    cap, per_split = decode_state.HELIX_MAX_KV_SPLITS, decode_state.HELIX_MIN_TOKENS_PER_SPLIT
+    cap, per_split = decode_state.DCP_GQA_MAX_KV_SPLITS, decode_state.DCP_GQA_MIN_TOKENS_PER_SPLIT
     lengths = [0, 1, 64, 255, 256, 257, 1000, 4096, 8192, 16384, 65536, 131072, 524288, 1 << 20]
     alone = [_splits([n])[0] for n in lengths]
     assert alone == sorted(alone) and 1 <= min(alone) and max(alone) == cap, alone
@@ -705,7 +705,7 @@ def test_split_policy_per_request_from_local_length():
 def test_split_policy_follows_the_backend_settings():
     Policy = decode_state.KVSplitPolicy
     backend = SimpleNamespace(max_kv_splits=8, static_kv_splits=False, device_core_count=132, split_tile_size=None)
-    assert decode_state.kv_split_policy(backend) == Policy(8, decode_state.HELIX_MAX_KV_SPLITS, 132)
+    assert decode_state.kv_split_policy(backend) == Policy(8, decode_state.DCP_GQA_MAX_KV_SPLITS, 132)
     backend.max_kv_splits = 512  # --triton-attention-num-kv-splits 512: a higher cap is kept
     assert decode_state.kv_split_policy(backend) == Policy(512, 512, 132)
     for static in (
@@ -720,9 +720,9 @@ def test_split_policy_follows_the_backend_settings():
 
 def test_split_extent_fills_the_sms_per_batch():
     """A batch's split extent (the decode grid's split axis and the workspace's S) fills
-    HELIX_CTAS_PER_SM programs per SM, a power of two between the backend's splits and the cap:
+    DCP_GQA_CTAS_PER_SM programs per SM, a power of two between the backend's splits and the cap:
     the H200 measurements (batch 1: 256 splits, batch 4: 128 beat 256) on 132 SMs."""
-    policy = decode_state.KVSplitPolicy(8, decode_state.HELIX_MAX_KV_SPLITS, 132)
+    policy = decode_state.KVSplitPolicy(8, decode_state.DCP_GQA_MAX_KV_SPLITS, 132)
     by_batch = {b: policy.grid_splits(b, 8, 1) for b in (1, 2, 3, 4, 8, 16, 64, 256)}
     assert by_batch == {1: 256, 2: 256, 3: 128, 4: 128, 8: 64, 16: 32, 64: 8, 256: 8}, by_batch
     assert policy.grid_splits(1, 16, 2) == 256 and policy.grid_splits(4, 16, 2) == 64  # two KV-head programs

@@ -8,7 +8,7 @@ The pool quantizes on write: ``MHATokenToKVPool.set_kv_buffer`` divides K/V by t
   for this);
 - multiply what it reads back from the pool by the scales (both backends).
 
-Each case drives ``helix_attention`` on both ranks of a KVP = 2 layout, one real fp8
+Each case drives ``dcp_gqa_attention`` on both ranks of a KVP = 2 layout, one real fp8
 ``MHATokenToKVPool`` per rank (CPU; Triton kernels under the interpreter), through a chunked
 prefill of two requests (two extends) and two decode steps. The All-to-All is replaced by
 collecting every rank's partials and merging them with upstream's ``dcp_lse_combine_triton``. Reference: float64
@@ -40,8 +40,8 @@ from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
-from sglang.srt.layers.helix import attention, kv_layout  # noqa: E402
-from sglang.srt.layers.helix.decode_state import HelixDecodeState, send_views  # noqa: E402
+from sglang.srt.layers.dcp import gqa_attention as attention, gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState, send_views  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
@@ -64,15 +64,15 @@ class _TritonBackend(TritonAttnBackend):
 
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
-        self.helix_decode = None  # set for a decode step below, as init_forward_metadata's state
-        self.helix_metadata = None  # this forward's (a fresh backend per forward here)
+        self.dcp_gqa_decode = None  # set for a decode step below, as init_forward_metadata's state
+        self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
 
 
 class _TorchNativeBackend(TorchNativeAttnBackend):
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token_pool = pool, SimpleNamespace(req_to_token=req_to_token)
-        self.helix_metadata = None
+        self.dcp_gqa_metadata = None
 
 
 BACKENDS = {"triton": _TritonBackend, "torch_native": _TorchNativeBackend}
@@ -205,10 +205,10 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache, extend_as):
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = _forward_batch(mode, reqs, req_to_token, extend_as)
             if backend_name == "triton" and mode == "decode":  # what the backend's init_forward_metadata does
-                backend.helix_decode = HelixDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
-                backend.helix_decode.prepare_eager(batch)
+                backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
+                backend.dcp_gqa_decode.prepare_eager(batch)
             k_in, v_in = k.clone(), v.clone()
-            attention.helix_attention(layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch, backend)
+            attention.dcp_gqa_attention(layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch, backend)
             if mode == "extend":  # the pool's write must not have scaled the K/V in hand
                 assert torch.equal(k_in, k) and torch.equal(v_in, v)
 

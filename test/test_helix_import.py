@@ -57,5 +57,5 @@ def test_models_call_self_attn(model):
     path = importlib.util.find_spec(f"sglang.srt.models.{model}").origin
     code = [line.split("#")[0] for line in open(path).read().splitlines()]
     mentions = [line.strip() for line in code if "helix" in line.lower()]
-    assert all(m in ("supports_helix = True", "") or "get_parallel().helix_enabled" in m for m in mentions), mentions
-    assert not [line for line in code if "self.helix" in line or "helix_attention" in line]
+    assert all(m in ("supports_dcp_gqa = True", "") or "get_parallel().dcp_gqa_mode" in m for m in mentions), mentions
+    assert not [line for line in code if "self.helix" in line or "dcp_gqa_attention" in line]

@@ -32,14 +32,14 @@ LAYERS, HEAD_DIM = 4, 128
 
 def _parallel(tp, kvp, helix=True):
     return SimpleNamespace(
-        attn_tp_size=tp, attn_dcp_size=kvp, helix_kvp_size=kvp if helix else 1, helix_enabled=helix and kvp > 1,
+        attn_tp_size=tp, attn_dcp_size=kvp, helix_kvp_size=kvp if helix else 1, dcp_gqa_mode=helix and kvp > 1,
         attn_cp_size=1,
     )  # fmt: skip
 
 
 def _cell_size(monkeypatch, num_kv_heads, tp, kvp, draft=False, helix=True):
     monkeypatch.setattr(pool_configurator, "get_parallel", lambda: _parallel(tp, kvp, helix))
-    monkeypatch.setattr(model_config_module, "_helix_enabled", lambda: helix and kvp > 1)
+    monkeypatch.setattr(model_config_module, "_dcp_gqa_mode", lambda: helix and kvp > 1)
     monkeypatch.setattr(cp_utils, "is_glm_dsa_cache_layer_split_enabled", lambda _: False)  # not a DSA model
     model_config = SimpleNamespace(
         is_draft_model=draft, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,

@@ -45,7 +45,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 if STUB_DIR not in sys.path:  # the allocator's imports pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
-from sglang.srt.layers.helix import kv_layout  # noqa: E402
+from sglang.srt.layers.dcp import gqa_layout as kv_layout  # noqa: E402
 from sglang.kernels.ops.attention.dcp_kernels import create_triton_kv_indices_for_dcp_triton  # noqa: E402
 from sglang.srt.mem_cache.allocator import paged  # noqa: E402
 
@@ -271,7 +271,7 @@ def test_write_rows_of_tokens_a_rank_does_not_own():
 
 @pytest.mark.parametrize("kvp,chunk", [(2, 1), (2, 4), (4, 3)])
 def test_owner_rank_is_the_rank_that_writes_the_id(kvp, chunk):
-    from sglang.srt.layers.helix.kv_layout import owner_rank, write_rows
+    from sglang.srt.layers.dcp.gqa_layout import owner_rank, write_rows
 
     loc = torch.arange(0, 5 * kvp * chunk + 3)
     owner = owner_rank(loc, kvp, chunk)

@@ -1,4 +1,4 @@
-"""``move_kv_cache`` under Helix (``layers/helix/kv_move.py``), over gloo with real processes.
+"""``move_kv_cache`` under Helix (``layers/dcp/gqa_kv_move.py``), over gloo with real processes.
 
 A tree draft moves each request's accepted path to the front of its verify window, and copies the
 prefix tail into each draft branch's first page: logical KV ids whose K/V live on one rank of the
@@ -36,8 +36,8 @@ def _logical_table(kvp: int, dtype) -> list:
 def _worker(rank, world, init_file):
     from sglang.srt import runtime_context
     from sglang.srt.distributed.parallel_state import dcp_group_ranks, init_model_parallel_group, set_custom_all_reduce
-    from sglang.srt.layers.helix.kv_layout import write_rows
-    from sglang.srt.layers.helix.kv_move import move_kv_cache_by_owner
+    from sglang.srt.layers.dcp.gqa_layout import write_rows
+    from sglang.srt.layers.dcp.gqa_kv_move import move_kv_cache_by_owner
 
     from sglang.srt.distributed import parallel_state
 
@@ -90,4 +90,4 @@ def _worker(rank, world, init_file):
 
 
 def test_move_kv_cache_across_owners():
-    run_workers(_worker, WORLD, 180, "kv move", ["sglang.srt.layers.helix.kv_move"])
+    run_workers(_worker, WORLD, 180, "kv move", ["sglang.srt.layers.dcp.gqa_kv_move"])

@@ -1,7 +1,7 @@
 """Every byte of Helix's persistent decode buffers is counted before the KV pool is sized.
 
 ``decode_state.graph_buffer_bytes`` is what ``DefaultPoolConfigurator`` charges against the KV
-budget (the Triton-backend patch); the shipped ``HelixDecodeState`` then allocates its graph
+budget (the Triton-backend patch); the shipped ``DcpGqaDecodeState`` then allocates its graph
 buffers (``init_graph_state``) and the per-layer workspace (the first layer's ``workspace``). Here
 both run for real model shapes on the meta device (no memory), and the bytes allocated must equal
 the bytes reserved exactly. Upstream's own graph split buffers are not allocated under Helix
@@ -23,8 +23,8 @@ if STUB_DIR not in sys.path:
 
 import sglang.srt.utils  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
-from sglang.srt.layers.helix import decode_state, kv_layout  # noqa: E402
-from sglang.srt.layers.helix.decode_state import HelixDecodeState, graph_buffer_bytes  # noqa: E402
+from sglang.srt.layers.dcp import gqa_decode as decode_state, gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState, graph_buffer_bytes  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 # (name, query heads Q, KV heads K, v_head_dim): the published config.json values.
@@ -42,7 +42,7 @@ def _reserved(
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     parallel = SimpleNamespace(
-        helix_enabled=helix, attn_dcp_size=KVP, attn_tp_size=TP, dcp_interleave_size=CHUNK,
+        dcp_gqa_mode=helix, attn_dcp_size=KVP, attn_tp_size=TP, dcp_interleave_size=CHUNK,
     )  # fmt: skip
     exec_ = SimpleNamespace(
         graph=SimpleNamespace(disable_cuda_graph=not graphs, cuda_graph_config=SimpleNamespace(
@@ -67,11 +67,11 @@ def _reserved(
 def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8):
     """What the shipped state allocates for the graph: lists + one layer's workspace (meta)."""
     req_to_token = torch.empty(MAX_BS + 1, CONTEXT, dtype=torch.int32, device="meta")
-    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK)
+    state = DcpGqaDecodeState(req_to_token, 0, KVP, CHUNK)
     state.init_graph_state(MAX_BS, CONTEXT)
     buffers = state.graph
     tpa = TP // KVP
-    policy = decode_state.KVSplitPolicy(splits_flag, max(splits_flag, decode_state.HELIX_MAX_KV_SPLITS), cores)
+    policy = decode_state.KVSplitPolicy(splits_flag, max(splits_flag, decode_state.DCP_GQA_MAX_KV_SPLITS), cores)
     if not cores:  # the backend's fixed setting (kv_split_policy): no per-request policy
         policy = decode_state.KVSplitPolicy(splits_flag, splits_flag, 0)
     buffers.workspace(MAX_BS, q // tpa, max(1, k // tpa), v_head_dim, dtype, policy)
@@ -114,7 +114,7 @@ def test_each_head_configuration_gets_its_own_workspace():
     """A speculative draft whose layers have other heads than its target's (a STANDALONE draft)
     shares the rank's buffer set: in a graph's fixed set each head configuration gets its own
     workspace, allocated once, and the target's stays where the captured graph holds it."""
-    state = HelixDecodeState(torch.zeros(3, 64, dtype=torch.int32), 0, KVP, CHUNK)
+    state = DcpGqaDecodeState(torch.zeros(3, 64, dtype=torch.int32), 0, KVP, CHUNK)
     state.init_graph_state(4, 64)
     buffers = state.graph
     policy = decode_state.KVSplitPolicy(8, 8, 0)
@@ -162,7 +162,7 @@ def test_eager_decode_uses_the_one_charged_set():
     only, never kept."""
     slots, max_len = 6, 64
     req_to_token = (CHUNK * KVP * (1 + torch.arange(slots)[:, None] * 2) + torch.arange(max_len)).int()
-    state = HelixDecodeState(req_to_token, 0, KVP, CHUNK, reserved_bs=4, max_context_len=max_len - 8)
+    state = DcpGqaDecodeState(req_to_token, 0, KVP, CHUNK, reserved_bs=4, max_context_len=max_len - 8)
 
     def batch(n):
         seq = torch.tensor([max_len - 1] * n)

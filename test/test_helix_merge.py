@@ -45,7 +45,7 @@ from sglang.kernels.ops.attention.dcp_kernels import (  # noqa: E402
 from sglang.srt.layers.dcp import comm as dcp_comm  # noqa: E402
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed  # noqa: E402
 from sglang.srt.layers.dcp.layout import localize_dcp_indices  # noqa: E402
-from sglang.srt.layers.helix.decode_state import a2a_buffer_shape, send_views  # noqa: E402
+from sglang.srt.layers.dcp.gqa_decode import a2a_buffer_shape, send_views  # noqa: E402
 from sglang_helix.testing.workers import run_workers  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -466,7 +466,7 @@ def _worker(rank, world, init_file, path):
 def _run(world, path, timeout_s=180.0):
     # Children fork from a server that has imported torch and the kernels once (a spawned child
     # would pay the imports each).
-    preload = ["sglang.srt.layers.dcp.comm", "sglang.srt.layers.helix.decode_state"]
+    preload = ["sglang.srt.layers.dcp.comm", "sglang.srt.layers.dcp.gqa_decode"]
     run_workers(_worker, world, timeout_s, f"helix merge (world {world})", preload, args=(path,))
 
 

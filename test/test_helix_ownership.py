@@ -3,7 +3,7 @@
 The rule: position ``p`` belongs to KVP rank ``(p // chunk) % KVP`` and sits at local index
 ``(p // (chunk * KVP)) * chunk + p % chunk`` of that rank's compact KV. Helix implements it with
 upstream DCP's layout at ``interleave_size = chunk`` (``sglang.srt.layers.dcp.layout``:
-``get_dcp_lens``, ``localize_dcp_indices``) plus ``sglang.srt.layers.helix.kv_layout``
+``get_dcp_lens``, ``localize_dcp_indices``) plus ``sglang.srt.layers.dcp.gqa_layout``
 (``local_kv_lens``, ``global_position``, ``write_rows``, ``local_kv_indices``' positions).
 """
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from sglang.srt.layers.dcp.layout import get_dcp_lens, localize_dcp_indices
-from sglang.srt.layers.helix import kv_layout
-from sglang.srt.layers.helix.kv_layout import global_position, local_kv_lens, write_rows
+from sglang.srt.layers.dcp import gqa_layout as kv_layout
+from sglang.srt.layers.dcp.gqa_layout import global_position, local_kv_lens, write_rows
 
 KVP_SIZES = (1, 2, 3, 4, 8)
 CHUNKS = (1, 2, 3, 4, 16)

@@ -26,7 +26,7 @@ if STUB_DIR not in sys.path:
 
 from sglang.srt.disaggregation.common import dcp_gqa  # noqa: E402
 from sglang.srt.disaggregation.common.utils import build_dcp_token_transfer_plan  # noqa: E402
-from sglang.srt.layers.helix.kv_layout import write_rows  # noqa: E402
+from sglang.srt.layers.dcp.gqa_layout import write_rows  # noqa: E402
 
 
 def _upstream_target_rows(src_pages, dst_pages, S, D, rank, src_page_offset, decode_prefix_len, n):

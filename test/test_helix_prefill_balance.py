@@ -37,8 +37,8 @@ from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
-from sglang.srt.layers.helix import kv_layout  # noqa: E402
-from sglang.srt.layers.helix.attention import HelixForwardMetadata, TritonExtendLists  # noqa: E402
+from sglang.srt.layers.dcp import gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.dcp.gqa_attention import DcpGqaForwardMetadata, TritonExtendLists  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 CHUNK = 64
@@ -72,7 +72,7 @@ def _lens(indptr: torch.Tensor) -> list:
 
 def triton_pairs(reqs, kvp_rank: int, kvp: int, pool: torch.Tensor) -> int:
     fb = _forward_batch(reqs, pool)
-    meta = HelixForwardMetadata(kvp_rank, kvp, CHUNK, None, None, None, 0, None)
+    meta = DcpGqaForwardMetadata(kvp_rank, kvp, CHUNK, None, None, None, 0, None)
     x = TritonExtendLists.build(fb, meta, pool)
     prefix = sum(e * n for e, n in zip(x.extend_lens_cpu, _lens(x.prefix_kv_indptr)))
     earlier = sum(e * n for e, n in zip(x.seg_lens_cpu, _lens(x.seg_kv_indptr)))
@@ -145,7 +145,7 @@ def test_segments_tile_the_new_tokens_and_the_lists_hold_only_owned_keys(kvp):
         assert st // CHUNK == (st + ln - 1) // CHUNK  # one ownership chunk each
     for r in range(kvp):
         fb = _forward_batch(reqs, pool)
-        x = TritonExtendLists.build(fb, HelixForwardMetadata(r, kvp, CHUNK, None, None, None, 0, None), pool)
+        x = TritonExtendLists.build(fb, DcpGqaForwardMetadata(r, kvp, CHUNK, None, None, None, 0, None), pool)
         indptr = x.seg_kv_indptr.tolist()
         for s, (b, st) in enumerate(zip(request, start)):
             slot, prefix, _ = reqs[b]

@@ -8,10 +8,10 @@ A chain draft's iteration runs three kinds of forward over the sequence-sharded 
 - the draft decode steps (``DECODE`` with ``spec_info``): step ``i`` attends positions
   ``[0, seq_len + i]`` (``kv_ends_of``: position + 1). The multi-step draft backend prepares each
   step's Triton backend before the steps run, so its lists are filled by the step's first layer
-  (``HelixDecodeState.prepare_draft_step``), once per step;
+  (``DcpGqaDecodeState.prepare_draft_step``), once per step;
 - the draft extend (``DRAFT_EXTEND_V2``): an extend with its own prefix and extend lengths.
 
-Each case drives ``helix_attention`` on both ranks of a KVP = 2 layout (one fp32 pool per rank,
+Each case drives ``dcp_gqa_attention`` on both ranks of a KVP = 2 layout (one fp32 pool per rank,
 Triton kernels under the interpreter), merges the ranks' partials with upstream's
 ``dcp_lse_combine_triton`` (the All-to-All emulated as in ``test_helix_fp8_kv.py``), and compares
 with float64 attention over the stored K/V. ``CHUNK = 2`` and 4 draft tokens: every verify and
@@ -34,8 +34,8 @@ from test_helix_fp8_kv import (  # noqa: E402
 )  # fmt: skip
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
-from sglang.srt.layers.helix import attention, kv_layout  # noqa: E402
-from sglang.srt.layers.helix.decode_state import HelixDecodeState  # noqa: E402
+from sglang.srt.layers.dcp import gqa_attention as attention, gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: log(0) of empty KV
@@ -113,18 +113,18 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
     triton = backend_name == "triton"
     for r, backend in enumerate(backends):  # one per rank, kept across forwards as a server's is
         if triton:  # the Triton backend's decode lists (torch_native has none)
-            backend.helix_decode = HelixDecodeState(req_to_token, r, KVP, CHUNK)
+            backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, r, KVP, CHUNK)
     layer = _layer(None)
     partials = capture_partials(monkeypatch)
     filled = {r: 0 for r in range(KVP)}
     for r, backend in enumerate(backends if triton else ()):  # count the list fills of draft steps (once per step, not per layer)
-        real = backend.helix_decode.prepare_eager
+        real = backend.dcp_gqa_decode.prepare_eager
 
         def counted(fb, kv_ends=None, kv_ends_cpu=None, real=real, r=r):
             filled[r] += kv_ends is not None
             return real(fb, kv_ends, kv_ends_cpu)
 
-        backend.helix_decode.prepare_eager = counted
+        backend.dcp_gqa_decode.prepare_eager = counted
 
     persistent = {}  # a draft step's writes and positions, per rank: one tensor for every step
     for mode, reqs, step in FORWARDS:
@@ -143,20 +143,20 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
             parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = batches[r][0]
-            backends[r].helix_metadata = None  # what the backend's init_forward_metadata does per forward
+            backends[r].dcp_gqa_metadata = None  # what the backend's init_forward_metadata does per forward
             if not triton:  # a chain draft step's rows (TorchNativeMultiStepDraftBackend, top-k 1): the request's
                 ends = batch.seq_lens + step + 1
                 backends[r].draft_decode_metadata = (req_to_token, batch.req_pool_indices, ends, ends.clone()) if mode == "draft" else None
             if backend_name == "triton" and mode == "draft":  # the multi-step backend's init, before the step
-                backends[r].helix_decode.prepare_eager(batch)
-                assert backends[r].helix_decode.metadata is None
+                backends[r].dcp_gqa_decode.prepare_eager(batch)
+                assert backends[r].dcp_gqa_decode.metadata is None
             before = dict(filled)
             with monkeypatch.context() as m:
                 if triton and mode in ("draft", "verify"):  # no device-to-host read (on a GPU: a sync)
                     for name in ("item", "tolist", "cpu", "numpy"):
                         m.setattr(torch.Tensor, name, _forbid(name))
                 for _ in range(2):  # two layers of one forward: the second reuses the first's lists
-                    attention.helix_attention(
+                    attention.dcp_gqa_attention(
                         layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch, backends[r]
                     )  # fmt: skip
             if backend_name == "triton" and mode == "draft":
@@ -180,21 +180,21 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
 
 def test_draft_step_backends_share_the_ranks_decode_buffers(monkeypatch):
     """Every Triton backend of a rank over one request table (the target's, and a speculative
-    draft's per-step backends, which run one at a time) gets the same ``HelixDecodeState``: one
+    draft's per-step backends, which run one at a time) gets the same ``DcpGqaDecodeState``: one
     buffer set, the one the KV pool sizing charged, not one per draft step."""
-    from sglang.srt.layers.helix import decode_state
+    from sglang.srt.layers.dcp import gqa_decode as decode_state
 
-    parallel = SimpleNamespace(helix_enabled=True, attn_dcp_rank=1, attn_dcp_size=KVP, dcp_interleave_size=CHUNK)
+    parallel = SimpleNamespace(dcp_gqa_mode=True, attn_dcp_rank=1, attn_dcp_size=KVP, dcp_interleave_size=CHUNK)
     monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
     monkeypatch.setattr(decode_state, "reserved_batch", lambda: 4)
     pool = SimpleNamespace(req_to_token=torch.zeros(2, MAX_LEN, dtype=torch.int32))  # the ReqToTokenPool
-    states = [HelixDecodeState.for_this_rank(pool) for _ in range(3)]  # target + two draft steps
-    assert states[0] is states[1] is states[2] is pool.helix_decode  # held by the table's pool, no global
+    states = [DcpGqaDecodeState.for_this_rank(pool) for _ in range(3)]  # target + two draft steps
+    assert states[0] is states[1] is states[2] is pool.dcp_gqa_decode  # held by the table's pool, no global
     assert (states[0].kvp_rank, states[0].reserved_bs, states[0].req_to_token) == (1, 4, pool.req_to_token)
-    other = HelixDecodeState.for_this_rank(SimpleNamespace(req_to_token=torch.zeros(2, MAX_LEN, dtype=torch.int32)))
+    other = DcpGqaDecodeState.for_this_rank(SimpleNamespace(req_to_token=torch.zeros(2, MAX_LEN, dtype=torch.int32)))
     assert other is not states[0]
-    parallel.helix_enabled = False
-    assert HelixDecodeState.for_this_rank(pool) is None
+    parallel.dcp_gqa_mode = False
+    assert DcpGqaDecodeState.for_this_rank(pool) is None
 
 
 TOPK, STEPS_T = 2, 3  # a tree draft: 2 branches of 3 steps; its verify: DRAFTS tokens by a tree mask
@@ -221,8 +221,8 @@ def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials):
     for r, backend in enumerate(backends):
         parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
         monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
-        backend.helix_metadata = None
-        attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r), backend)
+        backend.dcp_gqa_metadata = None
+        attention.dcp_gqa_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r), backend)
     out, _ = dcp_lse_combine_triton(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
     return out
 
@@ -236,7 +236,7 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     then the owned tree keys by the mask's columns). Both equal float64 attention over the keys each
     token should see."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeMultiStepDraftBackend
-    from sglang.srt.layers.helix import decode_state
+    from sglang.srt.layers.dcp import gqa_decode as decode_state
 
     triton = backend_name == "triton"
     monkeypatch.setattr(attention, "max_speculative_num_draft_tokens", lambda: STEPS_T)
@@ -250,7 +250,7 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     for r in range(KVP):
         backend = BACKENDS[backend_name](pools[r], req_to_token)
         if triton:
-            backend.helix_decode = HelixDecodeState(req_to_token, r, KVP, CHUNK)
+            backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, r, KVP, CHUNK)
         else:
             backend.use_sliding_window_kv_pool, backend.draft_decode_metadata = False, None
         backends.append(backend)

@@ -5,7 +5,7 @@ issue 33) on torch_native and triton (``docs/helix-flags.md``, "Speculative deco
 ``test_helix_args.py``'s). What runs where:
 
 - the target verify is an extend of the ``k + 1`` draft tokens over the sequence-sharded prefix
-  (``kv_ends_of`` / ``query_lens_of`` in ``layers/helix/attention.py``): each rank attends every
+  (``kv_ends_of`` / ``query_lens_of`` in ``layers/dcp/gqa_attention.py``): each rank attends every
   draft token to the keys it owns, the draft tokens' own K/V written by their owners, and the
   All-to-All + LSE merge makes it exact;
 - the draft model's attention is Helix attention too (a Llama-family draft, or the

@@ -202,7 +202,7 @@ def test_prefix_tests_name_real_patches():
     subjects = [_patch_subject(p) for p in Series().patches]
     assert set(PREFIX_TESTS) <= set(subjects), set(PREFIX_TESTS) - set(subjects)
     assert [s for s in subjects if s not in PREFIX_TESTS] == [
-        "[Helix] CPU engine: pad unaligned heads for the attention width"
+        "[CPU] Pad unaligned heads for the attention width"
     ]
 
 

@@ -493,30 +493,30 @@ PREFIX_TESTS = {
         "or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream or kvp1_resolves",
     ],
     "[CPU] NGRAM: the verify's tree indices in torch on the CPU engine": ["test/test_ngram_tree_indices.py"],
-    "[Helix] KV cache: a speculative draft is sharded like its target": ["test/test_helix_kv_cache.py"],
-    "[Helix] KV cache: move_kv_cache moves a logical id's K/V to its target's owner": ["test/test_helix_kv_move.py"],
-    "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
+    "[DCP] KV cache: a speculative draft is sharded like its target": ["test/test_helix_kv_cache.py"],
+    "[DCP] KV cache: move_kv_cache moves a logical id's K/V to its target's owner": ["test/test_helix_kv_move.py"],
+    "[DCP] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
         "test/test_helix_kv_layout.py", "test/test_helix_memory.py", "-k", "not triton",  # the allocator's torch path
     ],
-    "[Helix] Attention backends: DCP's GQA mode runs the Helix attention": [
+    "[DCP] Attention backends: the GQA mode's attention in Triton and torch_native": [
         "test/test_helix_import.py", "test/test_helix_decode_graph.py", "-k", "not draft_steps",  # (the draft-graph patch's)
     ],
-    "[Helix] Llama, Mistral: opt in to DCP's GQA mode": [
+    "[DCP] Llama, Mistral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server "
         "and not speculative and not speculation and not standalone and not tree_drafts and not ngram "
         "and not draft_config",  # (speculation is accepted from the EAGLE patch on)
     ],
-    "[Helix] Qwen2: opt in to DCP's GQA mode": [
+    "[DCP] Qwen2: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen2",
     ],
-    "[Helix] Qwen3, Qwen3-MoE: opt in to DCP's GQA mode": [
+    "[DCP] Qwen3, Qwen3-MoE: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen3",
     ],
-    "[Helix] Mixtral: opt in to DCP's GQA mode": [
+    "[DCP] Mixtral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
-    "[Helix] EAGLE: the Llama draft head opts in as a draft": [
+    "[DCP] EAGLE: the Llama draft head opts in as a draft": [
         "test/test_helix_args.py", "test/test_helix_spec_attention.py", "-m", "not e2e", "-k",
         "speculative or speculation_keeps",
     ],
@@ -524,22 +524,21 @@ PREFIX_TESTS = {
         "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
     ],
     _PD_RELAYOUT: ["test/test_helix_pd.py", "-m", "not e2e"],
-    "[Helix] Speculation: draft decode steps in CUDA graphs": [
+    "[DCP] Speculation: draft decode steps in CUDA graphs": [
         "test/test_helix_decode_graph.py", "-m", "not e2e", "-k", "capture_replay",
     ],
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.
 _SERVER_ARGS = "[Helix] Server args: the Helix flags resolve into DCP's GQA mode"
-_TRITON_BACKEND = "[Helix] Triton backend: decode lists in persistent buffers, CUDA-graph hooks"
+_TRITON_BACKEND = "[DCP] Triton backend: decode lists in persistent buffers, CUDA-graph hooks"
 NEW_MODULE_PATCHES = {
     "sglang/srt/layers/dcp/torch_attention.py": "[DCP] torch_native: decode context parallelism",
     "sglang/srt/arg_groups/helix_hook.py": _SERVER_ARGS,
-    "sglang/srt/layers/helix/__init__.py": _TRITON_BACKEND,
-    "sglang/srt/layers/helix/kv_layout.py": _TRITON_BACKEND,
-    "sglang/srt/layers/helix/decode_state.py": _TRITON_BACKEND,
-    "sglang/srt/layers/helix/attention.py": "[Helix] Attention backends: DCP's GQA mode runs the Helix attention",
-    "sglang/srt/layers/helix/kv_move.py": "[Helix] KV cache: move_kv_cache moves a logical id's K/V to its target's owner",
+    "sglang/srt/layers/dcp/gqa_layout.py": _TRITON_BACKEND,
+    "sglang/srt/layers/dcp/gqa_decode.py": _TRITON_BACKEND,
+    "sglang/srt/layers/dcp/gqa_attention.py": "[DCP] Attention backends: the GQA mode's attention in Triton and torch_native",
+    "sglang/srt/layers/dcp/gqa_kv_move.py": "[DCP] KV cache: move_kv_cache moves a logical id's K/V to its target's owner",
     "sglang/srt/disaggregation/common/dcp_gqa.py": _PD_RELAYOUT,
 }
 
@@ -553,9 +552,9 @@ def modules_of(series: "Series", subject: str) -> list[str]:
 
 
 # The first patch from which --helix-kvp-size > 1 must be accepted: it opts Llama in (adds
-# ``supports_helix = True`` to this file; earlier patches may touch the file for other reasons).
+# ``supports_dcp_gqa = True`` to this file; earlier patches may touch the file for other reasons).
 FIRST_MODEL_FILE = "sglang/srt/models/llama.py"
-OPT_IN = "+    supports_helix = True"
+OPT_IN = "+    supports_dcp_gqa = True"
 
 
 def opts_llama_in(patch: Path) -> bool:

@@ -1,6 +1,6 @@
 """Unit-level Helix launches at real model shapes, for the Triton specialization record (issue 35).
 
-Drives ``helix_attention`` for one KVP rank (a chunked prefill of two requests -- an extend without
+Drives ``dcp_gqa_attention`` for one KVP rank (a chunked prefill of two requests -- an extend without
 and one with a prefix -- then decode steps at every batch that gives a different split extent)
 through the Triton backend's real code path, with the GPU's split policy (an SM count, so the
 per-request split counts and the batch-dependent split extent are what an H100 server launches),
@@ -86,9 +86,9 @@ def _setup():
 def decode_batches(h: int, kvh: int) -> list[int]:
     """The first batch of each split extent the GPU policy gives, plus 1, 16 and 64 (an int
     argument's specializations: == 1, a multiple of 16, neither)."""
-    from sglang.srt.layers.helix.decode_state import HELIX_MAX_KV_SPLITS, KVSplitPolicy
+    from sglang.srt.layers.dcp.gqa_decode import DCP_GQA_MAX_KV_SPLITS, KVSplitPolicy
 
-    policy = KVSplitPolicy(MAX_KV_SPLITS, HELIX_MAX_KV_SPLITS, CORE_COUNT)
+    policy = KVSplitPolicy(MAX_KV_SPLITS, DCP_GQA_MAX_KV_SPLITS, CORE_COUNT)
     seen, out = set(), []
     for t in range(1, MAX_BATCH + 1):
         s = policy.grid_splits(t, h, kvh)
@@ -102,7 +102,7 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
     import torch
 
     from sglang.srt import runtime_context
-    from sglang.srt.layers.helix import attention
+    from sglang.srt.layers.dcp import gqa_attention as attention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_name]
@@ -140,15 +140,15 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
     import torch
 
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-    from sglang.srt.layers.helix import attention
-    from sglang.srt.layers.helix.decode_state import HelixDecodeState
+    from sglang.srt.layers.dcp import gqa_attention as attention
+    from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     class _Backend(TritonAttnBackend):
         def __init__(self, pool, req_to_token):
             self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
-            self.helix_decode = None
-            self.helix_metadata = None  # this forward's (a fresh backend per forward here)
+            self.dcp_gqa_decode = None
+            self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
             self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
 
     g = torch.Generator().manual_seed(0)
@@ -174,21 +174,21 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
         backend = _Backend(pool, req_to_token)
         fb = batch_of(mode, reqs)
         if mode == "decode":
-            backend.helix_decode = state
+            backend.dcp_gqa_decode = state
             state.prepare_eager(fb)
         if recorder is not None:
             from sglang.kernels.ops.attention import extend_attention as ea
 
             arch = f" sm{ea.CUDA_CAPABILITY[0]}0" if mode == "extend" and ea._is_cuda else ""
             recorder.context = f"triton_shapes {name} kv={kv_name} kvp={kvp} {mode} T={T}{arch}"
-        attention.helix_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), fb, backend)
+        attention.dcp_gqa_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), fb, backend)
 
     ctx = CHUNK * kvp + 5  # every rank owns a chunk, rank 0 two
     for capability in EXTEND_CAPABILITIES if extend else ():
         with extend_configured_for(capability):  # a chunked prefill: the first chunk, then the rest
             step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)])
             step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)])
-    state = HelixDecodeState(req_to_token, 0, kvp, CHUNK)
+    state = DcpGqaDecodeState(req_to_token, 0, kvp, CHUNK)
     for b in batches if decode else ():
         step("decode", [(s, ctx, ctx + 1) for s in range(b)], state)
 

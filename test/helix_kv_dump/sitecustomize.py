@@ -1,7 +1,7 @@
 """Per-rank K/V dumps for test/test_helix_kv_consistency.py.
 
 On PYTHONPATH of a CPU server with HELIX_KV_DUMP_DIR set, this wraps
-``sglang.srt.layers.helix.attention.helix_attention`` when sglang imports it (before an attention
+``sglang.srt.layers.dcp.gqa_attention.dcp_gqa_attention`` when sglang imports it (before an attention
 backend binds the name), and upstream's DCP on torch_native (``TorchNativeAttnBackend._forward_dcp``): after each layer's call, which has written the batch's K/V, every rank
 (over)writes ``layer{L}_slot{S}_tp{R}.pt`` for every request of the batch: the global positions in
 ``[0, seq_len)`` it owns and their K/V rows read back from its pool (``[n, K/TPA, D]``), with its
@@ -16,7 +16,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
     import sys
 
     DUMP_DIR = os.environ["HELIX_KV_DUMP_DIR"]
-    TARGET = "sglang.srt.layers.helix.attention"
+    TARGET = "sglang.srt.layers.dcp.gqa_attention"
 
     def dump(attention, layer, forward_batch, backend):
         import torch
@@ -24,7 +24,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
-        meta = attention.HelixForwardMetadata.build(forward_batch, backend)  # the host-built lists
+        meta = attention.DcpGqaForwardMetadata.build(forward_batch, backend)  # the host-built lists
         kv_pool = backend.token_to_kv_pool
         positions = meta.kv_positions
         k_buf = kv_pool.get_key_buffer(layer.layer_id)
@@ -45,14 +45,14 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
             os.replace(path + ".tmp", path)
 
     def patch(attention):
-        orig = attention.helix_attention
+        orig = attention.dcp_gqa_attention
 
-        def helix_attention(layer, q, k, v, forward_batch, backend, save_kv_cache=True):
+        def dcp_gqa_attention(layer, q, k, v, forward_batch, backend, save_kv_cache=True):
             out = orig(layer, q, k, v, forward_batch, backend, save_kv_cache)
             dump(attention, layer, forward_batch, backend)
             return out
 
-        attention.helix_attention = helix_attention
+        attention.dcp_gqa_attention = dcp_gqa_attention
 
     def patch_torch_native(module):
         """Upstream's own DCP (Q gathered, interleave 1) on torch_native: the same dump after its
@@ -63,7 +63,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
         def _forward_dcp(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             out = orig(self, q, k, v, layer, forward_batch, save_kv_cache)
             if not self.helix:  # Helix's own call is dumped by the wrapper above
-                import sglang.srt.layers.helix.attention as attention
+                import sglang.srt.layers.dcp.gqa_attention as attention
 
                 dump(attention, layer, forward_batch, self)
             return out

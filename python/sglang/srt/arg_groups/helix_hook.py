@@ -63,9 +63,9 @@ def declare(server_args: Any, **fields: Any) -> None:
     declare_resolution(server_args, "handle_helix_parallelism", **fields)
 
 
-def helix_enabled(
+def dcp_gqa_mode(
     cfg: Any,
-) -> bool:  # a resolved view or the published bag: get_parallel().helix_enabled
+) -> bool:  # a resolved view or the published bag: get_parallel().dcp_gqa_mode
     return cfg.helix_kvp_size > 1
 
 
@@ -177,7 +177,7 @@ def _check_model(server_args: Any, cfg: Any) -> None:
         f"--model-path {cfg.model_path}",
     )
     cls, arch = get_model_architecture(mc)
-    if not vars(cls).get("supports_helix"):
+    if not vars(cls).get("supports_dcp_gqa"):
         fail(
             f"--helix-kvp-size {kvp} supports only {join(helix_architectures())} models (SGLang's own model code), "
             f"but {model} is {arch}",
@@ -223,10 +223,10 @@ def _check_heads(cfg: Any, q: int, k: int, model: str) -> None:
 
 
 def helix_architectures(drafts: bool = False) -> list:
-    """Classes that opt in in their own body: ``supports_helix`` (or, as drafts, ``supports_helix_draft``)."""
+    """Classes that opt in in their own body: ``supports_dcp_gqa`` (or, as drafts, ``supports_dcp_gqa_draft``)."""
     from sglang.srt.models.registry import ModelRegistry
 
-    keys = ("supports_helix", "supports_helix_draft")[: 1 + drafts]
+    keys = ("supports_dcp_gqa", "supports_dcp_gqa_draft")[: 1 + drafts]
     return sorted(
         a
         for a, cls in ModelRegistry.models.items()

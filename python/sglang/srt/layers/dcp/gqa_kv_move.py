@@ -1,9 +1,9 @@
-"""Moving K/V between logical KV ids under Helix, DCP's GQA mode.
+"""Moving K/V between logical KV ids in DCP's GQA mode.
 
-A logical id's K/V live on one rank of the DCP group, at the row ``kv_layout.write_rows`` gives
+A logical id's K/V live on one rank of the DCP group, at the row ``gqa_layout.write_rows`` gives
 it (-1 on the others). Upstream moves K/V inside one pool (``move_kv_cache``): a tree draft's
 accepted path to the front of the request's verify window, the prefix tail into each draft
-branch's first page. Under Helix a source and its target may have different owners (a tree
+branch's first page. In the GQA mode a source and its target may have different owners (a tree
 token's slot and the position its depth gives it), so every rank reads the sources it owns, the
 DCP group all-gathers them as bytes (every layer's K and V in one call) and every rank writes
 the targets it owns. No host value: the writes of targets this rank does not own go to its
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang.srt.layers.helix.kv_layout import owner_rank, write_rows
+from sglang.srt.layers.dcp.gqa_layout import owner_rank, write_rows
 from sglang.srt.runtime_context import get_parallel
 
 
@@ -27,7 +27,7 @@ def move_kv_cache_by_owner(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -
         or getattr(pool, "k_scale_buffer", None) is not None
     ):
         raise NotImplementedError(
-            "helix move_kv_cache: a token-major pool without per-token scales only"
+            "dcp gqa move_kv_cache: a token-major pool without per-token scales only"
         )
     parallel = get_parallel()
     k, n, c, group = (

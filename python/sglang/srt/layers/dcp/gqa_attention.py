@@ -1,4 +1,4 @@
-"""Helix attention for one layer, DCP's GQA mode, called by the attention backends' forward:
+"""DCP's GQA mode (Helix, arXiv 2507.07120): one layer's attention, called by the backends' forward:
 
     q [T, Q/TPA, D], k/v [T, K/TPA, D]                    (qkv_proj over TPA, replicated over KVP)
       -> write K/V of the tokens this rank owns           (physical rows; DCP's masked store)
@@ -14,10 +14,14 @@ over the owned new tokens before it; each segment causally over itself), so ever
 of the prefill. A speculative target verify is a causal extend of the drafts over the committed
 prefix; a draft decode step attends up to its own position (``kv_ends_of``; on Triton its lists are
 sized on the host by ``draft_kv_ends``, no device read; in a CUDA graph, for the largest step). A
-Triton decode reads the lists the backend's hooks filled (``decode_state.py``); any other forward
-builds them on its first layer into the backend's ``helix_metadata``, cleared by
+Triton decode reads the lists the backend's hooks filled (``gqa_decode.py``); any other forward
+builds them on its first layer into the backend's ``dcp_gqa_metadata``, cleared by
 ``init_forward_metadata`` (and, for a captured draft step, ``init_forward_metadata_in_graph``;
 docs/helix-design.md, 3-4).
+
+The ranks: N = KVP x TPA form the TP group, ``tp_rank = tpa_rank * KVP + kvp_rank``; the KVP group
+is DCP's group (``dcp_group_ranks``), its layout DCP's with ``interleave_size = chunk``
+(``gqa_layout.py``).
 """
 
 from __future__ import annotations
@@ -30,22 +34,22 @@ import torch
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton
 from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+from sglang.srt.layers.dcp import gqa_layout
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed
-from sglang.srt.layers.dcp.layout import localize_dcp_indices
-from sglang.srt.layers.dcp.torch_attention import partial_attention
-from sglang.srt.layers.helix import kv_layout
-from sglang.srt.layers.helix.decode_state import (
-    HelixDecodeMetadata,
-    HelixDecodeState,
+from sglang.srt.layers.dcp.gqa_decode import (
+    DcpGqaDecodeMetadata,
+    DcpGqaDecodeState,
     kv_split_policy,
     num_kv_splits_by_local_len,
     send_views,
 )
+from sglang.srt.layers.dcp.layout import localize_dcp_indices
+from sglang.srt.layers.dcp.torch_attention import partial_attention
 from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_tokens
 
 
 @dataclass
-class HelixForwardMetadata:
+class DcpGqaForwardMetadata:
     kvp_rank: int
     kvp_size: int
     chunk: int
@@ -72,14 +76,14 @@ class HelixForwardMetadata:
     )
 
     @classmethod
-    def build(cls, forward_batch, backend) -> "HelixForwardMetadata":
+    def build(cls, forward_batch, backend) -> "DcpGqaForwardMetadata":
         parallel = get_parallel()
         k, n, c = (
             parallel.attn_dcp_rank,
             parallel.attn_dcp_size,
             parallel.dcp_interleave_size,
         )
-        rows = kv_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
+        rows = gqa_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
         draft_step = getattr(
             backend, "draft_decode_metadata", None
         )  # torch_native: a draft decode step's rows
@@ -90,20 +94,20 @@ class HelixForwardMetadata:
         else:
             pool, slots = _req_to_token(backend), forward_batch.req_pool_indices
             kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
-        total = kv_layout.total_local_len(kv_ends_cpu, k, n, c)
-        indptr, indices, positions = kv_layout.local_kv_indices(
+        total = gqa_layout.total_local_len(kv_ends_cpu, k, n, c)
+        indptr, indices, positions = gqa_layout.local_kv_indices(
             pool, slots, kv_ends, total, k, n, c
         )
         return cls(k, n, c, rows, indptr, indices, total, positions)
 
     @classmethod
-    def of(cls, forward_batch, backend) -> "HelixForwardMetadata":
+    def of(cls, forward_batch, backend) -> "DcpGqaForwardMetadata":
         """This forward's metadata, built by its first layer and shared by the others: the
-        backend's ``helix_metadata``, which its ``init_forward_metadata`` clears for every forward
+        backend's ``dcp_gqa_metadata``, which its ``init_forward_metadata`` clears for every forward
         (the draft's decode steps share one ForwardBatch, each with its own backend)."""
-        if backend.helix_metadata is None:
-            backend.helix_metadata = cls.build(forward_batch, backend)
-        return backend.helix_metadata
+        if backend.dcp_gqa_metadata is None:
+            backend.dcp_gqa_metadata = cls.build(forward_batch, backend)
+        return backend.dcp_gqa_metadata
 
 
 def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
@@ -118,7 +122,7 @@ def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
         ]
     if forward_batch.forward_mode.is_decode() and forward_batch.spec_info is not None:
         raise RuntimeError(
-            "helix attention: a draft decode step without its draft backend's rows"
+            "dcp gqa attention: a draft decode step without its draft backend's rows"
         )
     return forward_batch.seq_lens, forward_batch.seq_lens_cpu
 
@@ -211,7 +215,7 @@ class TritonExtendLists:
 
     @classmethod
     def build(
-        cls, forward_batch, meta: HelixForwardMetadata, pool: torch.Tensor
+        cls, forward_batch, meta: DcpGqaForwardMetadata, pool: torch.Tensor
     ) -> "TritonExtendLists":
         k, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
         device = forward_batch.seq_lens.device
@@ -219,17 +223,17 @@ class TritonExtendLists:
         slots = forward_batch.req_pool_indices
         qo = torch.zeros(len(extend_cpu) + 1, dtype=torch.int32, device=device)
         torch.cumsum(extend_lens, dim=0, dtype=torch.int32, out=qo[1:])
-        prefix_total = kv_layout.total_local_len(prefix_cpu, k, n, c)
-        prefix_indptr, prefix_indices, _ = kv_layout.local_kv_indices(
+        prefix_total = gqa_layout.total_local_len(prefix_cpu, k, n, c)
+        prefix_indptr, prefix_indices, _ = gqa_layout.local_kv_indices(
             pool, slots, prefix_lens, prefix_total, k, n, c
         )
-        request, start, length = kv_layout.extend_segments(prefix_cpu, extend_cpu, c)
-        seg_total = kv_layout.total_local_len(
+        request, start, length = gqa_layout.extend_segments(prefix_cpu, extend_cpu, c)
+        seg_total = gqa_layout.total_local_len(
             start, k, n, c
-        ) - kv_layout.total_local_len([prefix_cpu[b] for b in request], k, n, c)
+        ) - gqa_layout.total_local_len([prefix_cpu[b] for b in request], k, n, c)
         request_t = torch.tensor(request, dtype=torch.int64, device=device)
         seg_start = torch.tensor(start, dtype=torch.int64, device=device)
-        seg_indptr, seg_indices, _ = kv_layout.local_kv_indices(
+        seg_indptr, seg_indices, _ = gqa_layout.local_kv_indices(
             pool,
             slots[request_t],
             seg_start,
@@ -268,7 +272,7 @@ def _req_to_token(backend) -> torch.Tensor:
     return backend.req_to_token  # triton
 
 
-def helix_attention(
+def dcp_gqa_attention(
     layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True
 ) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads, ``[T, Q/N * Dv]`` for ``o_proj``, from the
@@ -278,23 +282,23 @@ def helix_attention(
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     kv_pool = backend.token_to_kv_pool
     triton = hasattr(
-        backend, "helix_decode"
+        backend, "dcp_gqa_decode"
     )  # TritonAttnBackend (its decode lists), else torch_native
     if triton and forward_batch.forward_mode.is_decode():
-        state = backend.helix_decode
+        state = backend.dcp_gqa_decode
         if forward_batch.spec_info is None:
             meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
         else:  # a draft step (each has its own backend): its first layer fills, to its position
-            if backend.helix_metadata is None:
+            if backend.dcp_gqa_metadata is None:
                 # (captured in a CUDA graph: device ends only, into the graph buffers)
                 state.prepare_draft_step(
                     forward_batch,
                     *draft_kv_ends(forward_batch, not state.draft_in_graph),
                 )
-                backend.helix_metadata = state.metadata
-            meta = backend.helix_metadata
+                backend.dcp_gqa_metadata = state.metadata
+            meta = backend.dcp_gqa_metadata
     else:
-        meta = HelixForwardMetadata.of(forward_batch, backend)
+        meta = DcpGqaForwardMetadata.of(forward_batch, backend)
     if k is not None:
         k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
@@ -312,7 +316,7 @@ def helix_attention(
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
-    if isinstance(meta, HelixDecodeMetadata):
+    if isinstance(meta, DcpGqaDecodeMetadata):
         send, recv = _triton_decode(
             layer, q, meta, backend
         )  # send already holds the partials
@@ -355,11 +359,11 @@ def _write_owned(layer, kv_pool, meta, k, v, triton: bool, extend: bool) -> None
     )
 
 
-def _decode_metadata(state: HelixDecodeState, num_tokens: int) -> HelixDecodeMetadata:
+def _decode_metadata(state: DcpGqaDecodeState, num_tokens: int) -> DcpGqaDecodeMetadata:
     meta = state.metadata
     if meta is None or meta.write_rows.shape[0] != num_tokens:
         raise RuntimeError(
-            "helix attention: the Triton backend did not prepare this decode batch's Helix lists "
+            "dcp gqa attention: the Triton backend did not prepare this decode batch's lists "
             f"(init_forward_metadata / init_forward_metadata_in_graph); {num_tokens} tokens"
         )
     return meta
@@ -368,11 +372,11 @@ def _decode_metadata(state: HelixDecodeState, num_tokens: int) -> HelixDecodeMet
 def _check_layer(layer) -> None:
     if getattr(layer, "sliding_window_size", -1) not in (-1, None) or layer.logit_cap:
         raise NotImplementedError(
-            "helix attention: sliding window / logit cap are not supported"
+            "dcp gqa attention: sliding window / logit cap are not supported"
         )
 
 
-def _torch_partial(layer, q, forward_batch, meta: HelixForwardMetadata, kv_pool):
+def _torch_partial(layer, q, forward_batch, meta: DcpGqaForwardMetadata, kv_pool):
     """Per request, DCP's torch partial attention (``dcp.torch_attention.partial_attention``: fp32,
     grouped by KV head, causal by position except for a decode) over the keys this rank owns, read
     as a view of the pool where they are one run of rows: ``out [T, H, Dv]``, ``lse [T, H]``.
@@ -488,7 +492,7 @@ def _kv_buffers(layer, backend, dtype: torch.dtype):
     )
 
 
-def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
+def _triton_decode(layer, q, meta: DcpGqaDecodeMetadata, backend):
     """Upstream's two-stage decode over the local KV lists, stage 2 writing output and merged LSE
     into the send buffer: ``(send, recv)`` ``[KVP, T, Q/N, Dv + lpd]`` from ``meta.buffers``, splits
     per request from the local lengths. No host value, no allocation: capturable."""
@@ -532,7 +536,7 @@ def _triton_decode(layer, q, meta: HelixDecodeMetadata, backend):
     return send, recv
 
 
-def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend):
+def _triton_extend(layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, backend):
     _check_layer(layer)
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape
@@ -594,7 +598,7 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: HelixForwardMetadata, ba
 
 
 def _triton_tree_verify(
-    layer, q, k, v, forward_batch, meta: HelixForwardMetadata, backend, tree
+    layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, backend, tree
 ):
     """A tree verify (top-k > 1) on Triton: two partials over the keys this rank owns, merged here:
     [0] every draft token over the owned committed prefix (all visible, no mask), [1] every draft
@@ -615,14 +619,14 @@ def _triton_tree_verify(
         seq_cpu = [int(x) for x in forward_batch.seq_lens_cpu]
         drafts = forward_batch.spec_info.draft_token_num
         qo = torch.arange(0, T + 1, drafts, dtype=torch.int32, device=q.device)  # [B+1]
-        prefix = kv_layout.local_kv_indices(
-            pool, slots, seq, kv_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c
+        prefix = gqa_layout.local_kv_indices(
+            pool, slots, seq, gqa_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c
         )
         ends_cpu = [x + drafts for x in seq_cpu]
-        owned_tree = kv_layout.total_local_len(
+        owned_tree = gqa_layout.total_local_len(
             ends_cpu, kr, n, c
-        ) - kv_layout.total_local_len(seq_cpu, kr, n, c)
-        tree_indptr, tree_rows, tree_pos = kv_layout.local_kv_indices(
+        ) - gqa_layout.total_local_len(seq_cpu, kr, n, c)
+        tree_indptr, tree_rows, tree_pos = gqa_layout.local_kv_indices(
             pool, slots, seq + drafts, owned_tree, kr, n, c, kv_starts=seq
         )
         mask, offsets = tree

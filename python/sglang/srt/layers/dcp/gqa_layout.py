@@ -1,4 +1,4 @@
-"""Helix KV layout: upstream DCP's sequence sharding with ``interleave_size = chunk``.
+"""DCP's GQA-mode KV layout: upstream DCP's sequence sharding with ``interleave_size = chunk``.
 
 Tokens are dealt to the KVP ranks of a KVP group round-robin in runs of ``chunk`` positions (the
 ``interleave_size`` of ``sglang.srt.layers.dcp.layout``): position ``p`` belongs to KVP rank
@@ -8,9 +8,9 @@ keeps ``loc % P == p % P``; so a loc's owner and physical row are DCP's formulas
 loc: ``localize_dcp_indices(loc, KVP, kvp_rank, chunk)`` (-1 where another rank owns it), and a
 rank's local KV length is ``get_dcp_lens(seq_len, KVP, kvp_rank, interleave_size=chunk)``.
 
-What DCP's layout module does not have, and Helix's prefill and torch path need: the inverse map
+What DCP's layout module does not have, and the GQA mode's prefill and torch path need: the inverse map
 (local index -> global position) and the host-sized local KV lists of the extend and of the torch
-path (the decode's lists come from upstream's Triton list kernel, ``decode_state.py``). Vectorized
+path (the decode's lists come from upstream's Triton list kernel, ``gqa_decode.py``). Vectorized
 torch, no host syncs: sizes the host needs come from host-side lengths the scheduler already has.
 """
 

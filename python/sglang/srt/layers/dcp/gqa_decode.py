@@ -1,4 +1,4 @@
-"""Helix decode metadata and workspaces in persistent buffers: one implementation, eager and graph.
+"""DCP's GQA-mode decode metadata and workspaces in persistent buffers: one implementation, eager and graph.
 
 Per forward batch: ``write_rows [T]`` (each new token's physical row here, -1 if not owned) and this
 rank's local KV lists ``kv_indptr [B+1]`` / ``kv_indices [capacity]`` (upstream DCP's list kernel at
@@ -26,7 +26,7 @@ from sglang.kernels.ops.attention.dcp_kernels import (
     create_triton_kv_indices_for_dcp_triton,
 )
 from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
-from sglang.srt.layers.helix.kv_layout import local_kv_lens, write_rows
+from sglang.srt.layers.dcp.gqa_layout import local_kv_lens, write_rows
 from sglang.srt.runtime_context import get_parallel, get_spec
 
 logger = logging.getLogger(__name__)
@@ -35,13 +35,13 @@ logger = logging.getLogger(__name__)
 # needs far more than upstream's default 8 splits to fill the SMs. Measured on an H200
 # (benchmark/README.md, 8 query / 1 KV head): at 1M tokens batch 1, 256 splits are 1.6-2.7x faster
 # than 64; at batch 4, 128 splits beat 256 by 1.2-1.4x ...
-HELIX_MAX_KV_SPLITS = 256
+DCP_GQA_MAX_KV_SPLITS = 256
 # ... so a batch's split extent fills the SMs this many CTAs deep and no more (batch 1: 528 CTAs on
 # 132 SMs caps at 256 splits, batch 4 gets 128, batch 8 64, batch 64 upstream's 8).
-HELIX_CTAS_PER_SM = 4
+DCP_GQA_CTAS_PER_SM = 4
 # ... and at least this many KV tokens per split: upstream's heuristic alone spreads a lone short
 # request over every split (64 tokens over 64 splits), where the stage-2 reduction costs more.
-HELIX_MIN_TOKENS_PER_SPLIT = 256
+DCP_GQA_MIN_TOKENS_PER_SPLIT = 256
 
 
 def a2a_buffer_shape(
@@ -74,9 +74,9 @@ def _head_tiles(num_heads: int, num_kv_heads: int) -> int:
 
 @dataclass(frozen=True)
 class KVSplitPolicy:
-    """How Helix decode splits a rank's local KV over stage-1 programs. ``core_count == 0`` (the CPU,
+    """How the GQA mode's decode splits a rank's local KV over stage-1 programs. ``core_count == 0`` (the CPU,
     static splits, deterministic tiles): ``min_splits`` each, as upstream. Otherwise a batch of ``B``
-    launches ``grid_splits(B)``: ``HELIX_CTAS_PER_SM`` programs per SM, a power of two in
+    launches ``grid_splits(B)``: ``DCP_GQA_CTAS_PER_SM`` programs per SM, a power of two in
     ``[min_splits, max_splits]``, each request taking what its local length needs (``B`` is a shape).
     """
 
@@ -88,7 +88,7 @@ class KVSplitPolicy:
         if self.core_count <= 0:
             return self.min_splits
         fill = triton.cdiv(
-            HELIX_CTAS_PER_SM * self.core_count,
+            DCP_GQA_CTAS_PER_SM * self.core_count,
             max(1, batch) * _head_tiles(num_heads, num_kv_heads),
         )
         fill = 1 << (fill.bit_length() - 1)  # a power of two, at most the fill
@@ -104,7 +104,7 @@ class KVSplitPolicy:
 
 
 def kv_split_policy(backend) -> KVSplitPolicy:
-    """Helix decode's split policy on ``backend`` (a TritonAttnBackend): per request, from its
+    """The GQA-mode decode's split policy on ``backend`` (a TritonAttnBackend): per request, from its
     local KV length, with the SM count known and no static or tiled split setting; else the
     backend's fixed ``max_kv_splits``. ``--triton-attention-num-kv-splits`` above 256 raises the cap.
     """
@@ -116,7 +116,7 @@ def kv_split_policy(backend) -> KVSplitPolicy:
         return KVSplitPolicy(backend.max_kv_splits, backend.max_kv_splits, 0)
     return KVSplitPolicy(
         backend.max_kv_splits,
-        max(backend.max_kv_splits, HELIX_MAX_KV_SPLITS),
+        max(backend.max_kv_splits, DCP_GQA_MAX_KV_SPLITS),
         backend.device_core_count,
     )
 
@@ -130,7 +130,7 @@ def num_kv_splits_by_local_len(
     device_core_count: int,
 ) -> None:
     """Fill ``num_kv_splits [B]`` from the *local* KV lengths with upstream's heuristic
-    (``get_num_kv_splits_triton``), then at most one split per ``HELIX_MIN_TOKENS_PER_SPLIT`` local
+    (``get_num_kv_splits_triton``), then at most one split per ``DCP_GQA_MIN_TOKENS_PER_SPLIT`` local
     tokens; ``device_core_count <= 0``: all ``max_kv_splits``. Shapes from ``[B]`` only: capturable.
     """
     if device_core_count <= 0:
@@ -149,29 +149,29 @@ def num_kv_splits_by_local_len(
         MAX_NUM_SEQ=256 if batch < 256 else triton.next_power_of_2(batch),
     )
     by_length = (
-        local_lens + HELIX_MIN_TOKENS_PER_SPLIT - 1
-    ) // HELIX_MIN_TOKENS_PER_SPLIT
+        local_lens + DCP_GQA_MIN_TOKENS_PER_SPLIT - 1
+    ) // DCP_GQA_MIN_TOKENS_PER_SPLIT
     torch.minimum(
         num_kv_splits, by_length.clamp_min(1).to(num_kv_splits.dtype), out=num_kv_splits
     )
 
 
 @dataclass
-class HelixDecodeMetadata:
+class DcpGqaDecodeMetadata:
     """One decode batch's lists (views into the persistent buffers)."""
 
     write_rows: torch.Tensor  # [T]
     kv_indptr: torch.Tensor  # [B+1]
     kv_indices: torch.Tensor  # [capacity]
     local_lens: torch.Tensor  # [B] this rank's KV length per request
-    buffers: "HelixDecodeBuffers"
+    buffers: "DcpGqaDecodeBuffers"
     splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
     store: Optional[Tuple[torch.Tensor, torch.Tensor]] = (
         None  # the masked K/V store's (loc, mask) [T]
     )
 
 
-class HelixDecodeBuffers:
+class DcpGqaDecodeBuffers:
     """Persistent decode buffers for up to ``max_bs`` requests (= tokens) and ``capacity`` listed KV."""
 
     def __init__(
@@ -253,7 +253,7 @@ def buffer_bytes(
     split_rows: int,
     kvp_size: int,
 ) -> int:
-    """Bytes of one ``HelixDecodeBuffers(max_bs, capacity)`` with its workspace: the lists, the split
+    """Bytes of one ``DcpGqaDecodeBuffers(max_bs, capacity)`` with its workspace: the lists, the split
     buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``) and ``send``/``recv``.
     """
     a2a = a2a_buffer_shape(max_bs, num_heads, v_head_dim, dtype, kvp_size)
@@ -264,7 +264,7 @@ def buffer_bytes(
 
 
 def reserved_batch() -> int:
-    """``B``: the tokens Helix's one decode buffer set is sized for -- the largest decode CUDA-graph
+    """``B``: the tokens the GQA mode's one decode buffer set is sized for -- the largest decode CUDA-graph
     batch configured (``cuda_graph_config.decode.bs``), times a tree draft's
     ``--speculative-eagle-topk`` (a draft step lists each of its tokens); 0 when no decode graph is
     captured (``--disable-cuda-graph``, the decode phase disabled, or the CPU engine, which captures
@@ -294,12 +294,12 @@ def reserved_batch() -> int:
 def graph_buffer_bytes(kvc) -> int:
     """What the one decode buffer set (``reserved_batch()`` requests at the model's context; graphs and
     every eager batch that fits use it) allocates on this rank, for the KV pool sizing to charge; 0
-    with Helix off or without decode graphs."""
+    outside the GQA mode or without decode graphs."""
     from sglang.srt.runtime_context import get_exec
     from sglang.srt.utils import get_device_core_count
 
     parallel = get_parallel()
-    max_bs = reserved_batch() if parallel.helix_enabled else 0
+    max_bs = reserved_batch() if parallel.dcp_gqa_mode else 0
     if max_bs == 0:
         return 0
     model_config = kvc.model_config
@@ -310,7 +310,7 @@ def graph_buffer_bytes(kvc) -> int:
     num_kv_heads = max(1, model_config.get_total_num_kv_heads() // tpa)  # K/TPA
     min_splits = get_exec().kernel.triton_attention_num_kv_splits
     policy = KVSplitPolicy(
-        min_splits, max(min_splits, HELIX_MAX_KV_SPLITS), get_device_core_count()
+        min_splits, max(min_splits, DCP_GQA_MAX_KV_SPLITS), get_device_core_count()
     )
     rows = policy.workspace_rows(max_bs, num_heads, num_kv_heads)
     return buffer_bytes(
@@ -324,9 +324,9 @@ def graph_buffer_bytes(kvc) -> int:
     )
 
 
-class HelixDecodeState:
-    """This rank's Helix decode lists for the Triton backend: ``prepare_eager``, ``init_graph_state``
-    (once), ``prepare_in_graph`` (capture); Helix attention reads ``metadata``."""
+class DcpGqaDecodeState:
+    """This rank's GQA-mode decode lists for the Triton backend: ``prepare_eager``, ``init_graph_state``
+    (once), ``prepare_in_graph`` (capture); ``dcp_gqa_attention`` reads ``metadata``."""
 
     def __init__(
         self,
@@ -345,8 +345,8 @@ class HelixDecodeState:
         self.max_context_len = max_context_len or req_to_token.shape[1]
         self.kvp_rank, self.kvp_size, self.chunk = kvp_rank, kvp_size, chunk
         self.device = req_to_token.device
-        self.graph: Optional[HelixDecodeBuffers] = None
-        self.metadata: Optional[HelixDecodeMetadata] = None
+        self.graph: Optional[DcpGqaDecodeBuffers] = None
+        self.metadata: Optional[DcpGqaDecodeMetadata] = None
         # A draft decode step is being captured (prepare_in_graph): its first layer fills the
         # graph buffers from device values only (prepare_draft_step without a host bound).
         self.draft_in_graph = False
@@ -354,15 +354,15 @@ class HelixDecodeState:
     @classmethod
     def for_this_rank(
         cls, req_to_token_pool, max_context_len: Optional[int] = None
-    ) -> Optional["HelixDecodeState"]:
-        """This rank's state under Helix, else None, owned by the request-table pool
-        (``req_to_token_pool.helix_decode``): every Triton backend over that table (the target's, a
+    ) -> Optional["DcpGqaDecodeState"]:
+        """This rank's state in DCP's GQA mode, else None, owned by the request-table pool
+        (``req_to_token_pool.dcp_gqa_decode``): every Triton backend over that table (the target's, a
         draft's per-step ones, run one at a time) shares the one buffer set the pool sizing charged.
         """
         parallel = get_parallel()
-        if not parallel.helix_enabled:
+        if not parallel.dcp_gqa_mode:
             return None
-        state = getattr(req_to_token_pool, "helix_decode", None)
+        state = getattr(req_to_token_pool, "dcp_gqa_decode", None)
         if state is None:
             state = cls(
                 req_to_token_pool.req_to_token,
@@ -372,17 +372,17 @@ class HelixDecodeState:
                 reserved_batch(),
                 max_context_len,
             )
-            req_to_token_pool.helix_decode = state
+            req_to_token_pool.dcp_gqa_decode = state
         return state
 
     # -- the one implementation -----------------------------------------------------------
 
     def fill(
         self,
-        buffers: HelixDecodeBuffers,
+        buffers: DcpGqaDecodeBuffers,
         forward_batch,
         kv_ends: Optional[torch.Tensor] = None,
-    ) -> HelixDecodeMetadata:
+    ) -> DcpGqaDecodeMetadata:
         """Write the batch's lists into ``buffers`` in place: device ops, shapes from ``[B]``/``[T]``.
         Each request lists the positions ``[0, kv_ends)`` this rank owns (default ``seq_lens``).
         """
@@ -422,7 +422,7 @@ class HelixDecodeState:
                 k,
                 interleave_size=c,
             )
-        return HelixDecodeMetadata(
+        return DcpGqaDecodeMetadata(
             rows, kv_indptr, buffers.kv_indices, local_lens, buffers
         )
 
@@ -498,7 +498,7 @@ class HelixDecodeState:
         # A batch beyond the charged set (more requests than the largest graph batch): buffers of
         # this step only, as upstream's eager decode allocates its split buffers per step (from the
         # activation memory), never kept past it.
-        step = HelixDecodeBuffers(
+        step = DcpGqaDecodeBuffers(
             max(batch, num_tokens),
             max(total, 1),
             self.kvp_size,
@@ -518,7 +518,7 @@ class HelixDecodeState:
         if kv_ends_cpu is None:
             if self.graph is None:
                 raise RuntimeError(
-                    "helix decode: init_graph_state was not called before a draft step's capture"
+                    "dcp gqa decode: init_graph_state was not called before a draft step's capture"
                 )
             self.metadata = self.fill(self.graph, forward_batch, kv_ends)
             return
@@ -532,7 +532,7 @@ class HelixDecodeState:
         """
         if self.kvp_rank == 0:
             logger.warning(
-                "Helix: capturing the decode step in CUDA graphs (--disable-cuda-graph runs it eagerly). "
+                "DCP GQA mode: capturing the decode step in CUDA graphs (--disable-cuda-graph runs it eagerly). "
                 "Replay equals eager on the CPU harness and for the kernels on one GPU; not yet verified "
                 "in a multi-GPU server."
             )
@@ -550,10 +550,10 @@ class HelixDecodeState:
             local_kv_lens(max_context_len, 0, self.kvp_size, self.chunk)
         )  # rank 0 owns the most
 
-    def _buffers(self, max_bs: int, max_context_len: int) -> HelixDecodeBuffers:
+    def _buffers(self, max_bs: int, max_context_len: int) -> DcpGqaDecodeBuffers:
         """One fixed set for ``max_bs`` requests of up to ``max_context_len`` tokens."""
         capacity = self._capacity(max_bs, max_context_len)
-        return HelixDecodeBuffers(
+        return DcpGqaDecodeBuffers(
             max_bs, capacity, self.kvp_size, self.device, fixed=True
         )
 
@@ -563,7 +563,7 @@ class HelixDecodeState:
         and writes are bound (``prepare_draft_step``, no host bound)."""
         if self.graph is None:
             raise RuntimeError(
-                "helix decode: init_graph_state was not called before capture"
+                "dcp gqa decode: init_graph_state was not called before capture"
             )
         self.draft_in_graph = forward_batch.spec_info is not None
         self.metadata = (
