@@ -374,7 +374,7 @@ PROFILE_BUCKETS = (
     ("helix All-to-All + merge", ("dcp_a2a_lse_reduce", "dcp_lse_combine", "all_to_all")),
     ("all-reduce (o_proj / MLP / embedding)", ("all_reduce", "tensor_model_parallel_all_reduce")),
     ("all-gather (logits)", ("all_gather", "tensor_model_parallel_all_gather")),
-    ("helix metadata (lists, write rows)", ("DcpGqaForwardMetadata.build", "local_kv_indices", "write_rows", "prepare_eager")),
+    ("helix metadata (lists, write rows)", ("dcp_gqa_forward_metadata", "local_kv_indices", "write_rows", "prepare_eager")),
     ("helix KV gather (_read_rows)", ("_read_rows",)),
     ("helix partial (einsum, softmax)", ("_torch_partial",)),
     ("helix KV write + other", ("dcp_gqa_attention",)),

@@ -72,10 +72,17 @@ class _TritonBackend(TritonAttnBackend):
 class _TorchNativeBackend(TorchNativeAttnBackend):
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token_pool = pool, SimpleNamespace(req_to_token=req_to_token)
-        self.dcp_gqa_metadata = None
+        self.dcp_gqa, self.dcp_gqa_metadata = True, None
 
 
 BACKENDS = {"triton": _TritonBackend, "torch_native": _TorchNativeBackend}
+
+
+def init_forward_metadata(backend, batch):
+    """What the backends' ``init_forward_metadata`` does in DCP's GQA mode: this forward's lists."""
+    triton = isinstance(backend, TritonAttnBackend)
+    table = backend.req_to_token if triton else backend.req_to_token_pool.req_to_token
+    backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(batch, table, triton)
 
 
 def _layer(scales):
@@ -207,6 +214,7 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache, extend_as):
             if backend_name == "triton" and mode == "decode":  # what the backend's init_forward_metadata does
                 backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
                 backend.dcp_gqa_decode.prepare_eager(batch)
+            init_forward_metadata(backend, batch)
             k_in, v_in = k.clone(), v.clone()
             attention.dcp_gqa_attention(layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch, backend)
             if mode == "extend":  # the pool's write must not have scaled the K/V in hand

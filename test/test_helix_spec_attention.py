@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from test_helix_fp8_kv import (  # noqa: E402
-    BACKENDS, CHUNK, D, H, KVH, KVP, MAX_LEN, _layer, _reference, capture_partials, paged_table_and_pools,
+    BACKENDS, CHUNK, D, H, KVH, KVP, MAX_LEN, _layer, _reference, capture_partials, init_forward_metadata, paged_table_and_pools,
 )  # fmt: skip
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
@@ -143,7 +143,7 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
             parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = batches[r][0]
-            backends[r].dcp_gqa_metadata = None  # what the backend's init_forward_metadata does per forward
+            init_forward_metadata(backends[r], batch)
             if not triton:  # a chain draft step's rows (TorchNativeMultiStepDraftBackend, top-k 1): the request's
                 ends = batch.seq_lens + step + 1
                 backends[r].draft_decode_metadata = (req_to_token, batch.req_pool_indices, ends, ends.clone()) if mode == "draft" else None
@@ -221,7 +221,7 @@ def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials):
     for r, backend in enumerate(backends):
         parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
         monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
-        backend.dcp_gqa_metadata = None
+        init_forward_metadata(backend, batch_of(r))
         attention.dcp_gqa_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r), backend)
     out, _ = dcp_lse_combine_triton(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
     return out
@@ -277,7 +277,10 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     new_pages = (seq % page + STEPS_T + page - 1) // page
     start = (seq[:, None] + torch.arange(TOPK)[None, :] * new_pages[:, None] * page).reshape(-1)  # [B * topk]
     req_of = torch.arange(len(reqs)).repeat_interleave(TOPK)
-    round_batch = SimpleNamespace(seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=slots, out_cache_loc=None)
+    round_batch = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, spec_info=SPEC, seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=slots,
+        out_cache_loc=None,
+    )  # fmt: skip
     for m in multi if not triton else ():  # once per draft round, before its steps (as the draft worker does)
         m.init_forward_metadata(round_batch)
     for step in range(STEPS_T - 1):

@@ -24,7 +24,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
-        meta = attention.DcpGqaForwardMetadata.build(forward_batch, backend)  # the host-built lists
+        meta = attention.dcp_gqa_forward_metadata(forward_batch, backend.req_to_token_pool.req_to_token, triton=False)  # the host-built lists
         kv_pool = backend.token_to_kv_pool
         positions = meta.kv_positions
         k_buf = kv_pool.get_key_buffer(layer.layer_id)

@@ -14,10 +14,11 @@ over the owned new tokens before it; each segment causally over itself), so ever
 of the prefill. A speculative target verify is a causal extend of the drafts over the committed
 prefix; a draft decode step attends up to its own position (``kv_ends_of``; on Triton its lists are
 sized on the host by ``draft_kv_ends``, no device read; in a CUDA graph, for the largest step). A
-Triton decode reads the lists the backend's hooks filled (``gqa_decode.py``); any other forward
-builds them on its first layer into the backend's ``dcp_gqa_metadata``, cleared by
-``init_forward_metadata`` (and, for a captured draft step, ``init_forward_metadata_in_graph``;
-docs/helix-design.md, 3-4).
+Triton decode reads the lists the backend's hooks filled (``gqa_decode.py``); every other forward's
+are built once per batch by the backend's ``init_forward_metadata`` (``dcp_gqa_forward_metadata``)
+into its ``dcp_gqa_metadata``, which the layers only read -- except a speculative draft step's,
+whose writes are bound only when the step runs: its first layer builds them
+(docs/helix-design.md, 3-4).
 
 The ranks: N = KVP x TPA form the TP group, ``tp_rank = tpa_rank * KVP + kvp_rank``; the KVP group
 is DCP's group (``dcp_group_ranks``), its layout DCP's with ``interleave_size = chunk``
@@ -50,64 +51,99 @@ from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_t
 
 @dataclass
 class DcpGqaForwardMetadata:
+    """One forward's lists (every forward but a Triton decode, whose lists are the decode state's,
+    ``gqa_decode.py``): built once per batch by the backend's ``init_forward_metadata``
+    (``dcp_gqa_forward_metadata``), only read by the layers."""
+
     kvp_rank: int
     kvp_size: int
     chunk: int
+    triton: bool
     write_rows: (
         torch.Tensor
     )  # [T] physical row of each new token on this rank (-1 if not owned)
-    kv_indptr: (
-        torch.Tensor
-    )  # [B+1] local KV list of positions [0, seq_len) (new tokens included)
-    kv_indices: torch.Tensor  # [L]
-    total_local: int
-    kv_positions: torch.Tensor  # [L] global positions of the listed keys (causal masks)
-    # torch_native: kv_indptr on the host, and per request the first row of its list when the list
-    # is one ascending run of rows (r0, r0 + 1, ...), else None: then the layers read a view, no gather
+    store: Tuple[torch.Tensor, torch.Tensor]  # the K/V store's arguments (_write_owned)
+    # torch_native: the local KV list of positions [0, seq_len) (new tokens included), its indptr
+    # on the host, and per request the first row of its list when the list is one ascending run of
+    # rows (r0, r0 + 1, ...), else None: then the layers read a view, no gather
+    kv_indptr: Optional[torch.Tensor] = None  # [B+1]
+    kv_indices: Optional[torch.Tensor] = None  # [L]
+    kv_positions: Optional[torch.Tensor] = (
+        None  # [L] global positions of the listed keys
+    )
     kv_indptr_host: Optional[list] = None
     kv_run_starts: Optional[list] = None
-    # triton extend: the owned-key lists of the three partial calls (TritonExtendLists)
-    extend_lists: Optional["TritonExtendLists"] = None
-    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = (
-        None  # the K/V store's arguments (_write_owned)
-    )
     tree_visible: Optional[list] = (
-        None  # torch_native tree verify: per request [n, l] (the owned keys' mask columns)
+        None  # a tree verify: per request [n, l], the owned keys' mask
     )
+    # triton: the owned-key lists of the extend's three calls (TritonExtendLists), or of a tree
+    # verify's two (_tree_verify_lists)
+    extend_lists: Optional[object] = None
 
-    @classmethod
-    def build(cls, forward_batch, backend) -> "DcpGqaForwardMetadata":
-        parallel = get_parallel()
-        k, n, c = (
-            parallel.attn_dcp_rank,
-            parallel.attn_dcp_size,
-            parallel.dcp_interleave_size,
+
+def dcp_gqa_forward_metadata(
+    forward_batch, req_to_token: torch.Tensor, triton: bool, draft_rows=None
+) -> Optional[DcpGqaForwardMetadata]:
+    """This forward's metadata, for the backend's ``init_forward_metadata``; ``req_to_token [R,
+    max_context]`` the backend's table. None for an idle batch and for a decode whose lists come
+    from elsewhere: a Triton decode's are the decode state's, and a speculative draft step's writes
+    are bound only when the step runs, so its first layer builds them (``_decode_step_metadata``;
+    torch_native: from ``draft_rows``, the draft backend's ``(table, slots, kv_ends, kv_ends_cpu)``,
+    a row per draft token with tree branches moved up to seq_len)."""
+    mode = forward_batch.forward_mode
+    if forward_batch.out_cache_loc is None or mode.is_idle():
+        return None
+    if mode.is_decode() and draft_rows is None:
+        if triton or forward_batch.spec_info is not None:
+            return None
+    parallel = get_parallel()
+    k, n, c = (
+        parallel.attn_dcp_rank,
+        parallel.attn_dcp_size,
+        parallel.dcp_interleave_size,
+    )
+    rows = gqa_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
+    if triton:  # DCP's masked store: (rows with -1 as 0, owned mask) [T]
+        meta = DcpGqaForwardMetadata(
+            k, n, c, True, rows, (rows.clamp(min=0), rows >= 0)
         )
-        rows = gqa_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
-        draft_step = getattr(
-            backend, "draft_decode_metadata", None
-        )  # torch_native: a draft decode step's rows
-        if (
-            draft_step is not None
-        ):  # a row per draft token (tree branches moved up to seq_len), its ends
-            pool, slots, kv_ends, kv_ends_cpu = draft_step
+        tree = tree_mask_of(forward_batch)
+        if tree is not None:
+            meta.extend_lists = _tree_verify_lists(
+                forward_batch, meta, req_to_token, tree
+            )
         else:
-            pool, slots = _req_to_token(backend), forward_batch.req_pool_indices
-            kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
-        total = gqa_layout.total_local_len(kv_ends_cpu, k, n, c)
-        indptr, indices, positions = gqa_layout.local_kv_indices(
-            pool, slots, kv_ends, total, k, n, c
-        )
-        return cls(k, n, c, rows, indptr, indices, total, positions)
-
-    @classmethod
-    def of(cls, forward_batch, backend) -> "DcpGqaForwardMetadata":
-        """This forward's metadata, built by its first layer and shared by the others: the
-        backend's ``dcp_gqa_metadata``, which its ``init_forward_metadata`` clears for every forward
-        (the draft's decode steps share one ForwardBatch, each with its own backend)."""
-        if backend.dcp_gqa_metadata is None:
-            backend.dcp_gqa_metadata = cls.build(forward_batch, backend)
-        return backend.dcp_gqa_metadata
+            meta.extend_lists = TritonExtendLists.build(
+                forward_batch, meta, req_to_token
+            )
+        return meta
+    owned = (rows >= 0).nonzero().squeeze(1)  # (owned token indices, their rows)
+    meta = DcpGqaForwardMetadata(k, n, c, False, rows, (owned, rows[owned]))
+    if draft_rows is not None:
+        pool, slots, kv_ends, kv_ends_cpu = draft_rows
+    else:
+        pool, slots = req_to_token, forward_batch.req_pool_indices
+        kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
+    total = gqa_layout.total_local_len(kv_ends_cpu, k, n, c)
+    meta.kv_indptr, meta.kv_indices, meta.kv_positions = gqa_layout.local_kv_indices(
+        pool, slots, kv_ends, total, k, n, c
+    )
+    meta.kv_indptr_host = (
+        meta.kv_indptr.tolist()
+    )  # (the CPU path: host values are free)
+    meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
+    tree = tree_mask_of(forward_batch)
+    if tree is not None:  # the mask's columns of the owned keys
+        mask, offsets = tree
+        nd, seq = forward_batch.spec_info.draft_token_num, forward_batch.seq_lens_cpu
+        indptr = meta.kv_indptr_host
+        meta.tree_visible = [
+            mask[offsets[b] : offsets[b] + nd * (int(seq[b]) + nd)]
+            .view(nd, -1)[:, meta.kv_positions[indptr[b] : indptr[b + 1]]]
+            .bool()
+            for b in range(len(indptr) - 1)
+        ]
+    return meta
 
 
 def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
@@ -120,10 +156,6 @@ def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
         return forward_batch.seq_lens + drafts, [
             int(x) + drafts for x in forward_batch.seq_lens_cpu
         ]
-    if forward_batch.forward_mode.is_decode() and forward_batch.spec_info is not None:
-        raise RuntimeError(
-            "dcp gqa attention: a draft decode step without its draft backend's rows"
-        )
     return forward_batch.seq_lens, forward_batch.seq_lens_cpu
 
 
@@ -265,13 +297,6 @@ class TritonExtendLists:
         )
 
 
-def _req_to_token(backend) -> torch.Tensor:
-    """``[R, max_context]`` logical KV ids by (request slot, position), as the backend holds it."""
-    if hasattr(backend, "req_to_token_pool"):  # torch_native
-        return backend.req_to_token_pool.req_to_token
-    return backend.req_to_token  # triton
-
-
 def dcp_gqa_attention(
     layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True
 ) -> torch.Tensor:
@@ -281,38 +306,21 @@ def dcp_gqa_attention(
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     kv_pool = backend.token_to_kv_pool
-    triton = hasattr(
-        backend, "dcp_gqa_decode"
-    )  # TritonAttnBackend (its decode lists), else torch_native
-    if triton and forward_batch.forward_mode.is_decode():
-        state = backend.dcp_gqa_decode
-        if forward_batch.spec_info is None:
-            meta = _decode_metadata(state, q.shape[0])  # filled by the backend's hooks
-        else:  # a draft step (each has its own backend): its first layer fills, to its position
-            if backend.dcp_gqa_metadata is None:
-                # (captured in a CUDA graph: device ends only, into the graph buffers)
-                state.prepare_draft_step(
-                    forward_batch,
-                    *draft_kv_ends(forward_batch, not state.draft_in_graph),
-                )
-                backend.dcp_gqa_metadata = state.metadata
-            meta = backend.dcp_gqa_metadata
-    else:
-        meta = DcpGqaForwardMetadata.of(forward_batch, backend)
+    mode = forward_batch.forward_mode
+    meta = backend.dcp_gqa_metadata  # built by init_forward_metadata
+    if meta is None and mode.is_decode():  # a Triton decode, a draft step
+        meta = _decode_step_metadata(forward_batch, backend, q.shape[0])
+    elif meta is None:
+        raise RuntimeError(
+            "dcp gqa attention: the backend's init_forward_metadata did not build this "
+            f"forward's lists ({mode.name})"
+        )
     if k is not None:
         k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     if save_kv_cache and k is not None:
         # (an extend-like forward reads k/v again after the store: DRAFT_EXTEND_V2 too, which is_extend() omits)
-        _write_owned(
-            layer,
-            kv_pool,
-            meta,
-            k,
-            v,
-            triton,
-            extend=not forward_batch.forward_mode.is_decode(),
-        )
+        _write_owned(layer, kv_pool, meta, k, v, extend=not mode.is_decode())
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
@@ -322,7 +330,7 @@ def dcp_gqa_attention(
         )  # send already holds the partials
         merged = dcp_a2a_lse_reduce_packed(send, recv, q.shape[0], group)
     else:
-        if triton:
+        if meta.triton:
             out, lse = _triton_extend(layer, q, k, v, forward_batch, meta, backend)
         else:
             out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
@@ -330,36 +338,46 @@ def dcp_gqa_attention(
     return merged.reshape(merged.shape[0], -1)
 
 
-def _write_owned(layer, kv_pool, meta, k, v, triton: bool, extend: bool) -> None:
-    """Store the K/V of the tokens this rank owns at their rows (``meta.write_rows [T]``, -1 where
-    another rank owns the token). Triton: DCP's masked store (``dcp_kv_mask``), no host sync,
-    capturable; torch_native: the owned rows selected. What the store takes is derived from the
-    rows once per batch, by its first layer (``meta.store``)."""
+def _write_owned(layer, kv_pool, meta, k, v, extend: bool) -> None:
+    """Store the K/V of the tokens this rank owns at their rows (``meta.store``, from
+    ``meta.write_rows [T]``). Triton: DCP's masked store (``dcp_kv_mask``), no host sync,
+    capturable; torch_native: the owned rows selected."""
     if extend and _kv_scales(layer, kv_pool, k.dtype):
         # The write divides k/v by the KV scales in place; the Triton extend still reads the
         # chunk being prefilled from them (as upstream's Triton backend, clone first).
         k, v = k.clone(), v.clone()
-    rows = meta.write_rows
-    if triton:
-        if (
-            meta.store is None
-        ):  # (rows with -1 as 0, owned mask) [T]: recorded once in a graph
-            meta.store = (rows.clamp(min=0), rows >= 0)
-        loc, owned = meta.store
+    if isinstance(meta, DcpGqaDecodeMetadata) or meta.triton:
+        loc, owned = meta.store  # (rows with -1 as 0, owned mask) [T]
         kv_pool.set_kv_buffer(
             layer, loc, k, v, layer.k_scale, layer.v_scale, dcp_kv_mask=owned
         )
         return
-    if meta.store is None:  # (owned token indices, their rows)
-        owned = (rows >= 0).nonzero().squeeze(1)
-        meta.store = (owned, rows[owned])
-    owned, owned_rows = meta.store
+    owned, owned_rows = meta.store  # (owned token indices, their rows)
     kv_pool.set_kv_buffer(
         layer, owned_rows, k[owned], v[owned], layer.k_scale, layer.v_scale
     )
 
 
-def _decode_metadata(state: DcpGqaDecodeState, num_tokens: int) -> DcpGqaDecodeMetadata:
+def _decode_step_metadata(forward_batch, backend, num_tokens: int):
+    """A decode's lists that ``init_forward_metadata`` did not build: a speculative draft step's
+    (each step has its own backend), built here once, by the step's first layer, up to its
+    position -- on Triton into the decode state's buffers (in a CUDA graph: device ends only, into
+    the graph buffers) -- or a Triton decode's, which the backend's hooks filled."""
+    draft_rows = getattr(
+        backend, "draft_decode_metadata", None
+    )  # torch_native's draft step
+    if draft_rows is not None:
+        backend.dcp_gqa_metadata = dcp_gqa_forward_metadata(
+            forward_batch, draft_rows[0], False, draft_rows
+        )
+        return backend.dcp_gqa_metadata
+    state = backend.dcp_gqa_decode
+    if forward_batch.spec_info is not None:
+        state.prepare_draft_step(
+            forward_batch, *draft_kv_ends(forward_batch, not state.draft_in_graph)
+        )
+        backend.dcp_gqa_metadata = state.metadata
+        return state.metadata
     meta = state.metadata
     if meta is None or meta.write_rows.shape[0] != num_tokens:
         raise RuntimeError(
@@ -388,27 +406,9 @@ def _torch_partial(layer, q, forward_batch, meta: DcpGqaForwardMetadata, kv_pool
     T, H, _ = q.shape
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    if (
-        meta.kv_indptr_host is None
-    ):  # once per batch (CPU path: host values are free here)
-        meta.kv_indptr_host = meta.kv_indptr.tolist()
-        meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
     indptr = meta.kv_indptr_host
-    decode = (
-        forward_batch.forward_mode.is_decode()
-    )  # a decode token sees every key of its request
-    tree = tree_mask_of(
-        forward_batch
-    )  # a tree verify: the mask's columns of the owned keys, once per batch
-    if tree is not None and meta.tree_visible is None:
-        mask, offsets = tree
-        n, seq = forward_batch.spec_info.draft_token_num, forward_batch.seq_lens_cpu
-        meta.tree_visible = [
-            mask[offsets[b] : offsets[b] + n * (int(seq[b]) + n)]
-            .view(n, -1)[:, meta.kv_positions[indptr[b] : indptr[b + 1]]]
-            .bool()
-            for b in range(len(indptr) - 1)
-        ]
+    decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key
+    tree = meta.tree_visible  # a tree verify: per request, the owned keys' mask columns
     start = 0
     for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
         lo, hi = indptr[b], indptr[b + 1]
@@ -423,8 +423,8 @@ def _torch_partial(layer, q, forward_batch, meta: DcpGqaForwardMetadata, kv_pool
         key_pos, query_pos, visible = meta.kv_positions[lo:hi], None, None
         if (
             tree is not None
-        ):  # request b's [n, seq_len + n]: every prefix key, the tree keys by the mask
-            visible = meta.tree_visible[b]
+        ):  # request b's [n, l]: every prefix key, the tree keys by the mask
+            visible = tree[b]
         elif not decode:
             query_pos = forward_batch.positions[tok].long()
         out[tok], lse[tok] = partial_attention(
@@ -544,14 +544,9 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, b
     # merged here: [0] every query over the owned prefix, [1] each segment over the owned new
     # tokens before it, [2] each segment causally over itself (kept only where this rank owns it;
     # the others compute it too, a chunk x segment sliver, rather than gather the owned ones).
-    tree = tree_mask_of(forward_batch)
-    if tree is not None:
+    if not isinstance(meta.extend_lists, TritonExtendLists):  # a tree verify
         return _triton_tree_verify(
-            layer, q, k.contiguous(), v.contiguous(), forward_batch, meta, backend, tree
-        )
-    if meta.extend_lists is None:  # once per batch
-        meta.extend_lists = TritonExtendLists.build(
-            forward_batch, meta, _req_to_token(backend)
+            layer, q, k.contiguous(), v.contiguous(), forward_batch, meta, backend
         )
     x = meta.extend_lists
     outs = torch.empty(
@@ -597,8 +592,61 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, b
     )  # [T, Q/TPA, Dv], [T, Q/TPA]
 
 
+def _tree_verify_lists(forward_batch, meta: DcpGqaForwardMetadata, req_to_token, tree):
+    """A Triton tree verify's lists (``_triton_tree_verify``): ``(qo_indptr [B+1], the owned
+    committed prefix's indptr and rows, the owned tree keys' indptr and rows, their mask columns
+    [n, L + n] per request back to back, its indptr)``."""
+    kr, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
+    pool, slots, seq = (
+        req_to_token,
+        forward_batch.req_pool_indices,
+        forward_batch.seq_lens,
+    )
+    seq_cpu = [int(x) for x in forward_batch.seq_lens_cpu]
+    drafts = forward_batch.spec_info.draft_token_num
+    qo = torch.arange(
+        0, seq.shape[0] * drafts + 1, drafts, dtype=torch.int32, device=seq.device
+    )  # [B+1]
+    prefix = gqa_layout.local_kv_indices(
+        pool, slots, seq, gqa_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c
+    )
+    ends_cpu = [x + drafts for x in seq_cpu]
+    owned_tree = gqa_layout.total_local_len(
+        ends_cpu, kr, n, c
+    ) - gqa_layout.total_local_len(seq_cpu, kr, n, c)
+    tree_indptr, tree_rows, tree_pos = gqa_layout.local_kv_indices(
+        pool, slots, seq + drafts, owned_tree, kr, n, c, kv_starts=seq
+    )
+    mask, offsets = tree
+    local_masks, mask_indptr = [], [0]
+    owned = lambda end: end // (n * c) * c + min(
+        max(end % (n * c) - kr * c, 0), c
+    )  # noqa: E731 (host)
+    hi = 0
+    for b, seq_len in enumerate(seq_cpu):  # request b's span in the tree list: [lo, hi)
+        lo, hi = hi, hi + owned(seq_len + drafts) - owned(seq_len)
+        full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(
+            drafts, seq_len + drafts
+        )
+        cols = torch.cat(
+            [full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1
+        )  # [n, L + n]
+        local_masks.append(cols.reshape(-1))
+        mask_indptr.append(mask_indptr[-1] + cols.numel())
+    mask_indptr = torch.tensor(mask_indptr, dtype=torch.int64, device=seq.device)
+    return (
+        qo,
+        prefix[0],
+        prefix[1],
+        tree_indptr,
+        tree_rows,
+        torch.cat(local_masks),
+        mask_indptr,
+    )
+
+
 def _triton_tree_verify(
-    layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, backend, tree
+    layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, backend
 ):
     """A tree verify (top-k > 1) on Triton: two partials over the keys this rank owns, merged here:
     [0] every draft token over the owned committed prefix (all visible, no mask), [1] every draft
@@ -607,56 +655,6 @@ def _triton_tree_verify(
     """
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
     T, H, _ = q.shape
-    if (
-        meta.extend_lists is None
-    ):  # once per batch: (the prefix call's lists, the tree call's, its mask)
-        kr, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
-        pool, slots, seq = (
-            _req_to_token(backend),
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-        )
-        seq_cpu = [int(x) for x in forward_batch.seq_lens_cpu]
-        drafts = forward_batch.spec_info.draft_token_num
-        qo = torch.arange(0, T + 1, drafts, dtype=torch.int32, device=q.device)  # [B+1]
-        prefix = gqa_layout.local_kv_indices(
-            pool, slots, seq, gqa_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c
-        )
-        ends_cpu = [x + drafts for x in seq_cpu]
-        owned_tree = gqa_layout.total_local_len(
-            ends_cpu, kr, n, c
-        ) - gqa_layout.total_local_len(seq_cpu, kr, n, c)
-        tree_indptr, tree_rows, tree_pos = gqa_layout.local_kv_indices(
-            pool, slots, seq + drafts, owned_tree, kr, n, c, kv_starts=seq
-        )
-        mask, offsets = tree
-        local_masks, mask_indptr = [], [0]
-        owned = lambda end: end // (n * c) * c + min(
-            max(end % (n * c) - kr * c, 0), c
-        )  # noqa: E731 (host)
-        hi = 0
-        for b, seq_len in enumerate(
-            seq_cpu
-        ):  # request b's span in the tree list: [lo, hi)
-            lo, hi = hi, hi + owned(seq_len + drafts) - owned(seq_len)
-            full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(
-                drafts, seq_len + drafts
-            )
-            cols = torch.cat(
-                [full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1
-            )  # [n, L + n]
-            local_masks.append(cols.reshape(-1))
-            mask_indptr.append(mask_indptr[-1] + cols.numel())
-        mask_indptr = torch.tensor(mask_indptr, dtype=torch.int64, device=q.device)
-        meta.extend_lists = (
-            qo,
-            prefix[0],
-            prefix[1],
-            tree_indptr,
-            tree_rows,
-            torch.cat(local_masks),
-            mask_indptr,
-        )
     qo, prefix_indptr, prefix_rows, tree_indptr, tree_rows, local_mask, mask_indptr = (
         meta.extend_lists
     )

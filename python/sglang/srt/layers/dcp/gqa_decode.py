@@ -165,10 +165,8 @@ class DcpGqaDecodeMetadata:
     kv_indices: torch.Tensor  # [capacity]
     local_lens: torch.Tensor  # [B] this rank's KV length per request
     buffers: "DcpGqaDecodeBuffers"
+    store: Tuple[torch.Tensor, torch.Tensor]  # the masked K/V store's (loc, mask) [T]
     splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
-    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = (
-        None  # the masked K/V store's (loc, mask) [T]
-    )
 
 
 class DcpGqaDecodeBuffers:
@@ -422,8 +420,9 @@ class DcpGqaDecodeState:
                 k,
                 interleave_size=c,
             )
+        store = (rows.clamp(min=0), rows >= 0)  # (rows with -1 as 0, owned mask) [T]
         return DcpGqaDecodeMetadata(
-            rows, kv_indptr, buffers.kv_indices, local_lens, buffers
+            rows, kv_indptr, buffers.kv_indices, local_lens, buffers, store
         )
 
     def _tree_segments(
