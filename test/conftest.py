@@ -24,6 +24,12 @@ from sglang_helix.testing.triton_record import (  # noqa: E402,F401
 
 from sglang_helix.testing.server import CpuServer  # noqa: E402
 from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model  # noqa: E402
+from sglang_helix.testing.bytecode import compile_series_bytecode  # noqa: E402
+
+# The series' files in site-packages have no bytecode after an install (it clears theirs), and with
+# PYTHONDONTWRITEBYTECODE=1 no process writes it: every process of every test server compiled those
+# ~2.7 MB of source again (~1 CPU-s each). Compile them once per session (the same source).
+compile_series_bytecode()
 
 # Tiers. The default run (CI, the README's test command) covers every concern once; the rest of
 # each end-to-end matrix is marked FULL and runs with HELIX_TEST_FULL=1 (README, "Test").
