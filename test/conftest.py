@@ -122,8 +122,11 @@ def run_workload(model_path: str, args: list, backend: str, log_dir: str, worklo
 
 
 def plain_tp_reference(base_url):
-    """What every layout is compared with: the probe, the long prompt, one answer per wave prompt."""
+    """What every layout is compared with: the probe, the long prompt, one answer per wave prompt;
+    and every rank's weight checksums (test_helix_weights.py reads the plain ``--tp 4`` server's,
+    so that plain TP's loader is checked without a server of its own)."""
     from sglang_helix.testing.openai_probe import long_completion, probe, single_completions, sized_completions
+    from sglang_helix.testing.weights import weight_checksums
 
     return {"probe": probe(base_url), "long": long_completion(base_url), "singles": single_completions(base_url),
-            "sized": sized_completions(base_url)}  # fmt: skip
+            "sized": sized_completions(base_url), "checksums": weight_checksums(base_url)}  # fmt: skip
