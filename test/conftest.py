@@ -24,6 +24,12 @@ from sglang_helix.testing.triton_record import (  # noqa: E402,F401
 
 from sglang_helix.testing.server import CpuServer  # noqa: E402
 from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model  # noqa: E402
+from sglang_helix.testing.bytecode import compile_series_bytecode  # noqa: E402
+
+# The series' files in site-packages have no bytecode after an install (it clears theirs), and with
+# PYTHONDONTWRITEBYTECODE=1 no process writes it: every process of every test server compiled those
+# ~2.7 MB of source again (~1 CPU-s each). Compile them once per session (the same source).
+compile_series_bytecode()
 
 # Tiers. The default run (CI, the README's test command) covers every concern once; the rest of
 # each end-to-end matrix is marked FULL and runs with HELIX_TEST_FULL=1 (README, "Test").
@@ -116,8 +122,11 @@ def run_workload(model_path: str, args: list, backend: str, log_dir: str, worklo
 
 
 def plain_tp_reference(base_url):
-    """What every layout is compared with: the probe, the long prompt, one answer per wave prompt."""
+    """What every layout is compared with: the probe, the long prompt, one answer per wave prompt;
+    and every rank's weight checksums (test_helix_weights.py reads the plain ``--tp 4`` server's,
+    so that plain TP's loader is checked without a server of its own)."""
     from sglang_helix.testing.openai_probe import long_completion, probe, single_completions, sized_completions
+    from sglang_helix.testing.weights import weight_checksums
 
     return {"probe": probe(base_url), "long": long_completion(base_url), "singles": single_completions(base_url),
-            "sized": sized_completions(base_url)}  # fmt: skip
+            "sized": sized_completions(base_url), "checksums": weight_checksums(base_url)}  # fmt: skip

@@ -7,8 +7,9 @@ stub call), and its log kept; both test modules read the cached ``Run``. Four se
     q8k4 --tp 4 --helix-kvp-size 2   (K = N; TPA 2)
     q8k2 --tp 4 --helix-kvp-size 2   (K < N; TPA 2, one KV head per TPA rank)
     q8k1 --tp 4 --helix-kvp-size 4   (K = 1; TPA 1, qkv_proj replicated on all ranks)
-    q8k4 --tp 4                      (plain TP: the capacity baseline, and the check that the
-                                      tests' shard reference agrees with upstream's TP loader)
+    q8k4 --tp 4                      (plain TP: the capacity baseline; the check that the
+                                      tests' shard reference agrees with upstream's TP loader
+                                      reads the shared plain --tp 4 reference server instead)
 
 Memory settings, identical for all four: the CPU engine's free-memory reading is pinned to
 ``PINNED_AVAILABLE_BYTES`` (``helix_pinned_memory/sitecustomize.py``) and
@@ -18,15 +19,14 @@ Memory settings, identical for all four: the CPU engine's free-memory reading is
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import urllib.request
 from dataclasses import dataclass, field
 
 from conftest import GQA, start_server, stop_server
 from sglang_helix.testing.cpu_env import STUB_DIR
 from sglang_helix.testing.tiny_models import TinyModelSpec
+from sglang_helix.testing.weights import weight_checksums
 
 PIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helix_pinned_memory")
 PINNED_AVAILABLE_BYTES = 2 << 30  # what every process of the server sees as free memory
@@ -125,24 +125,6 @@ def server_args(tp: int, kvp: int) -> list:
 def pinned_memory_env() -> dict:
     path = [PIN_DIR, STUB_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {"PYTHONPATH": os.pathsep.join(path), "HELIX_TEST_AVAILABLE_MEMORY_BYTES": str(PINNED_AVAILABLE_BYTES)}
-
-
-def weight_checksums(base_url: str) -> dict:
-    req = urllib.request.Request(
-        base_url + "/weights_checker",
-        data=json.dumps({"action": "checksum", "selector": "target"}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as r:
-        body = json.load(r)
-    assert body["success"], body
-    out = {}
-    for rank in body["ranks"]:
-        # One entry per runner role whose checksums were merged into this rank's: target only.
-        (info,) = rank["parallelism_info"]
-        assert info["role"] == "target" and info["pp_size"] == 1, info
-        out[info["tp_rank"]] = rank["checksums"]
-    return out
 
 
 def server_run(model_dir, log_dir: str, layout) -> Run:

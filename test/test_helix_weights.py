@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 
-from conftest import FULL
+from conftest import FULL, plain_tp_reference, run_workload
 from helix_runs import HELIX_K1, HELIX_K2, HELIX_K4, PLAIN_K4, layout_id, server_run
 
 LAYOUTS = [HELIX_K4, HELIX_K2, HELIX_K1, PLAIN_K4]
@@ -121,17 +121,30 @@ def test_reference_shards_tile_the_checkpoint(model_dir):
         assert torch.equal(torch.cat([s[name] for s in ranks]), ckpt[name])
 
 
+def rank_checksums(model_dir, server_log_dir, layout) -> tuple:
+    """``(model path, {tp_rank: {name: hash}})`` of the layout's server. Plain ``--tp 4``: the
+    shared plain-TP reference server (``conftest.plain_tp_reference`` fetches its checksums; the
+    same loader as helix_runs' plain server, whose pinned memory only sizes the KV pool), so the
+    default run starts no server for it; the Helix layouts: helix_runs' servers."""
+    if layout == PLAIN_K4:
+        spec, tp, _ = layout
+        path = model_dir(spec)
+        return path, run_workload(path, ["--tp", str(tp)], "torch_native", server_log_dir, plain_tp_reference)["checksums"]
+    run = server_run(model_dir, server_log_dir, layout)
+    return run.model_path, run.checksums
+
+
 @pytest.mark.e2e
-# The default run: the two servers test_helix_capacity.py starts anyway (K = 1 Helix, plain TP).
+# The default run: K = 1 Helix (a server test_helix_capacity.py shares in the full tier) and plain
+# TP (the baseline's plain --tp 4 server).
 @pytest.mark.parametrize(
     "layout", [pytest.param(x, id=layout_id(x), marks=() if x in (HELIX_K1, PLAIN_K4) else FULL) for x in LAYOUTS]
 )
 def test_rank_weight_shards_match_checkpoint(model_dir, server_log_dir, layout):
-    run = server_run(model_dir, server_log_dir, layout)
+    model_path, got = rank_checksums(model_dir, server_log_dir, layout)
     spec, tp, kvp = layout
-    ckpt = load_checkpoint(run.model_path)
+    ckpt = load_checkpoint(model_path)
     expected = {r: {n: hash_tensor(t) for n, t in s.items()} for r, s in expected_shards(ckpt, spec, tp, kvp).items()}
-    got = run.checksums
     assert sorted(got) == list(range(tp)), f"ranks answering: {sorted(got)}"
 
     # The test's hash is the server's: the replicated norms hash like the checkpoint tensor.

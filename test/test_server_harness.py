@@ -97,6 +97,17 @@ def test_triton_interpreter_only_for_the_triton_backend():
     assert "TRITON_INTERPRET" not in cpu_server_env(2, "torch_native", base=caller)
 
 
+def test_torch_compile_is_eager_in_the_default_tier_only():
+    """Servers of the default tier run upstream's torch.compile'd helpers eagerly (no per-rank
+    dynamo + inductor at the first forwards); HELIX_TEST_FULL=1 keeps them compiled, and a
+    caller's own TORCHDYNAMO_DISABLE is kept."""
+    from sglang_helix.testing.cpu_env import cpu_server_env
+
+    assert cpu_server_env(4, base={})["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in cpu_server_env(4, base={"HELIX_TEST_FULL": "1"})
+    assert cpu_server_env(4, base={"TORCHDYNAMO_DISABLE": "0"})["TORCHDYNAMO_DISABLE"] == "0"
+
+
 def test_free_port_avoids_the_ephemeral_and_sglang_ranges():
     from sglang_helix.testing import server
 

@@ -41,5 +41,12 @@ def cpu_server_env(
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Upstream torch.compiles a few helpers on the CPU too (the vocab-parallel embedding's integer
+    # input mask at every --tp > 1; the seeded sampler): each rank ran dynamo + inductor (with its
+    # compile workers) on its first forward, ~3 CPU-s and more per rank and server start. The
+    # default test tier runs them eagerly (the same ops; the series changes none of them);
+    # HELIX_TEST_FULL=1 keeps upstream's compiled path. A caller's own TORCHDYNAMO_DISABLE wins.
+    if env.get("HELIX_TEST_FULL") != "1":
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
