@@ -329,7 +329,7 @@ def test_compare_and_latency_cli(tmp_path, capsys):
 
 
 def test_compare_markdown_cells(capsys):
-    """benchmark/README.md's compact tables: "Helix/TP · Helix/DCP", n/a where 0.5.23 has no correct
+    """benchmark/results/perf-model.md's compact tables: "Helix/TP · Helix/DCP", n/a where 0.5.23 has no correct
     --dcp-size, TP OOM where only Helix (and DCP) hold the batch."""
     assert pm.main(["--compare", "--markdown", "--model", "llama-3.1-70b", "--hw", "h200", "--gpus", "8,16",
                     "--context", "131072", "--batch", "16,64", "--detail", "131072,16"]) == 0  # fmt: skip

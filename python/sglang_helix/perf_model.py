@@ -228,7 +228,7 @@ MODELS = {
     "deepseek-r1": _mla_preset(),
 }
 
-# The models of the comparison table (benchmark/README.md): ``--model table``.
+# The models of the comparison table (benchmark/results/perf-model.md): ``--model table``.
 TABLE_MODELS = ["llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen2.5-72b", "qwen3-32b", "qwen3-235b-a22b", "mixtral-8x22b"]
 
 
@@ -745,7 +745,7 @@ def _ratio_cell(r: Dict[str, object]) -> str:
 
 
 def print_compare_markdown(rows: List[Dict[str, object]], detail: Optional[List[Tuple[int, int]]] = None, out=None) -> None:
-    """The compact tables of benchmark/README.md: per GPU and latency, one line per model and N,
+    """The compact tables of benchmark/results/perf-model.md (and the H200 one in benchmark/README.md): per GPU and latency, one line per model and N,
     one cell per (context, batch): "Helix/TP · Helix/DCP" (``_ratio_cell``); then, per GPU and
     ``detail`` case (context, batch; default the first of each), every family's best layout,
     tokens/s/user, tokens/s/GPU and largest fitting batch."""
@@ -922,7 +922,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, help="tokens/s/user (latency) or tokens/s/GPU (throughput)")
     p.add_argument("--compare", action="store_true", help="per model and case: each family's best layout and Helix's ratios")
     p.add_argument("--csv", help="--compare: also write the rows here")
-    p.add_argument("--markdown", action="store_true", help="--compare: print benchmark/README.md's compact tables instead")
+    p.add_argument("--markdown", action="store_true", help="--compare: print the compact tables of benchmark/results/perf-model.md instead")
     p.add_argument("--detail", type=_ints, help="--markdown: context,batch[,context,batch...] of the per-family detail tables")
     args = p.parse_args(argv)
     if args.paper:

@@ -595,7 +595,7 @@ def problems(results, allow_known: bool = True) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# The resource table (benchmark/README.md, "compiled, not run")
+# The resource table (benchmark/results/triton-compile.md)
 # --------------------------------------------------------------------------------------------
 _TABLE_KEYS = {
     "_fwd_grouped_kernel_stage1": ("Lk", "kv_group_num", "BLOCK_H", "BLOCK_N"),
@@ -743,7 +743,7 @@ def main(argv=None) -> int:
     c.add_argument("--procs", type=int, default=None)
     c.add_argument("--table", type=Path, default=None, help="write the markdown table of every row here")
     c.add_argument("--model-shapes-table", type=Path, default=None,
-                   help="write the table of the unit-level model shapes' launches (benchmark/README.md) here")
+                   help="write the table of the unit-level model shapes' launches (benchmark/results/triton-compile.md) here")
     a = ap.parse_args(argv)
     if a.cmd == "record":
         return record(a.out, a.pytest_args or None)
