@@ -5,13 +5,17 @@ Unit tests (no server): the transfer plan with an interleave (against a brute fo
 interleave 1, upstream's own formula), the rank mapping (every decode rank's head slice covered
 exactly once by what its prefill ranks send; every prefill rank waits for exactly the decode ranks
 that read it), and a whole simulated transfer -- P prefill pools, N decode pools in byte arrays,
-moved by ``head_slice_blocks`` over ``build_dcp_token_transfer_plan`` in chunks -- against Helix's
-own layout (``kv_layout.write_rows``: what the decode would have written had it run the prefill).
+moved by ``head_slice_plan`` over ``build_dcp_token_transfer_plan`` in chunks at the pools' real
+addresses (sub-slices packed by ``pack_rows`` into a small staging, part-major pages put back by
+``unpack_part_major``) -- against Helix's own layout (``kv_layout.write_rows``: what the decode
+would have written had it run the prefill) and with each byte sent once; the plan's block count
+per owned page, at deployment layouts (K = 8 and 4, replicas included), and its staging bound.
 The end-to-end tests (``test_helix_pd_e2e``) start the real servers and the router.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import sys
 
@@ -114,7 +118,7 @@ def test_rank_mapping_refuses_sizes_that_do_not_divide():
         dcp_gqa.prefill_ranks_for_decode(0, 4, 2, 3)
 
 
-def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2, n_layers=2, seed=0):
+def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2, n_layers=2, seed=0, staging_capacity=96):
     """A prefill of ``prompt_len`` tokens sent in ``chunks`` (token counts, page multiples but the
     last) to every decode rank; returns (decode pools, expected decode pools)."""
     rng = np.random.default_rng(seed)
@@ -150,16 +154,19 @@ def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2
                     want[layer * 2 + kv_i, owned_rows[t]] = kv[layer, kv_i, t, heads]
         dst_pools.append(dst)
         want_pools.append(want)
-    # the transfer: each decode rank from its prefill ranks, chunk by chunk
+    # the transfer: each decode rank from its prefill ranks, chunk by chunk, at the pools' real
+    # addresses (blocks moved with memmove, sub-slices packed by pack_rows into a small staging)
     dst_prefix_pages = decode_prefix_len // virtual
+    staging = torch.zeros(staging_capacity, dtype=torch.uint8)
+    sent = [0] * N
     for d in range(N):
         ranks, _, _ = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P)
         for r in ranks:
             src, dst = src_pools[r], dst_pools[d]
             src_item = [src[0, :S].nbytes] * (n_layers * 2)
             dst_item = [dst[0, :S].nbytes] * (n_layers * 2)
-            src_base = [src[e].__array_interface__["data"][0] - src.__array_interface__["data"][0] for e in range(n_layers * 2)]
-            dst_base = [dst[e].__array_interface__["data"][0] - dst.__array_interface__["data"][0] for e in range(n_layers * 2)]
+            src_ptrs = [src[e].ctypes.data for e in range(n_layers * 2)]
+            dst_ptrs = [dst[e].ctypes.data for e in range(n_layers * 2)]
             start = 0
             for size in chunks:
                 page_offset = start // S
@@ -168,16 +175,29 @@ def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2
                     physical_page_size=S, dcp_size=KVP, dcp_rank=d % KVP, src_page_offset=page_offset,
                     decode_prefix_len=decode_prefix_len, num_kv_tokens=size, interleave_size=S,
                 )  # fmt: skip
-                blocks = dcp_gqa.head_slice_blocks(
-                    src_base, src_item, dst_base, dst_item, S, plan.target_src_token_indices,
+                send = dcp_gqa.head_slice_plan(
+                    src_ptrs, src_item, dst_ptrs, dst_item, S, plan.target_src_token_indices,
                     plan.target_dst_token_indices, src_tp_rank=r, src_attn_tp_size=P, dst_tp_rank=d,
-                    dst_attn_tp_size=N, dst_dcp_size=KVP,
+                    dst_attn_tp_size=N, dst_dcp_size=KVP, staging_ptr=staging.data_ptr(),
+                    staging_capacity=staging_capacity,
                 )  # fmt: skip
-                src_bytes, dst_bytes = src.reshape(-1), dst.reshape(-1)
-                for s_addr, d_addr, length in blocks:
-                    dst_bytes[d_addr : d_addr + length] = src_bytes[s_addr : s_addr + length]
+                row_bytes = sum(g.copy_bytes for g in send.steps[-1].gathers) if send.steps else 0
+                assert send.staged_bytes <= max(staging_capacity, S * row_bytes)  # bounded: a page at least
+                for step in send.steps:
+                    dcp_gqa.pack_rows(step, staging)
+                    for s_addr, d_addr, length in step.blocks:
+                        ctypes.memmove(int(d_addr), int(s_addr), int(length))
+                        sent[d] += length
                 start += size
             assert start == prompt_len
+        # the decode rank, its transfer done: its pages back token-major (part-major when P > TPA)
+        rows = write_rows(locs[decode_prefix_len:], d % KVP, KVP, S).numpy()
+        pages = np.unique(rows[rows >= 0] // S)
+        parts = dcp_gqa.decode_parts(P, N, KVP, K)
+        dst = dst_pools[d]
+        dcp_gqa.unpack_part_major([dst[e].ctypes.data for e in range(n_layers * 2)], [dst[0, :S].nbytes] * (n_layers * 2), pages, S, parts)
+        # each byte once: what every prefill rank sent is the decode rank's KV
+        assert sent[d] == (rows >= 0).sum() * dst_pools[d][0, 0].nbytes * n_layers * 2, (d, sent[d])
     return dst_pools, want_pools
 
 
@@ -190,7 +210,12 @@ CASES = [  # (name, prompt_len, chunks, decode_prefix_len) at page S = 4
 ]
 
 
-@pytest.mark.parametrize("P,N,KVP,K", [c for c in LAYOUTS if c[1] == 4 and c[0] <= 4] + [(8, 8, 2, 4), (8, 4, 2, 2)])
+# and the deployment layouts at K = 8 (Llama-3.1-70B, Qwen2.5-72B) and K = 4 (Qwen3-235B-A22B):
+# parts of the decode token (8 -> 8x2), replicas (16 -> 16x2), both (16 -> 8x2)
+DEPLOYED = [(8, 8, 2, 8), (8, 16, 4, 8), (4, 8, 2, 8), (16, 16, 2, 8), (16, 8, 2, 8), (8, 8, 2, 4), (8, 16, 4, 4), (4, 8, 2, 4)]
+
+
+@pytest.mark.parametrize("P,N,KVP,K", [c for c in LAYOUTS if c[1] == 4 and c[0] <= 4] + [(8, 8, 2, 4), (8, 4, 2, 2)] + DEPLOYED)
 @pytest.mark.parametrize("name,prompt_len,chunks,decode_prefix_len", CASES, ids=[c[0] for c in CASES])
 def test_relayout_fills_each_decode_rank_as_helix_would(P, N, KVP, K, name, prompt_len, chunks, decode_prefix_len):
     got, want = _simulate(P, N, KVP, K, 4, prompt_len, chunks, decode_prefix_len, seed=prompt_len + P)
@@ -203,11 +228,63 @@ def test_whole_token_slices_move_in_runs():
     plan = build_dcp_token_transfer_plan(
         np.arange(8), np.arange(4), physical_page_size=4, dcp_size=2, dcp_rank=1, num_kv_tokens=32, interleave_size=4
     )
-    blocks = dcp_gqa.head_slice_blocks(
+    blocks = dcp_gqa.head_slice_plan(
         [0], [64], [0], [64], 4, plan.target_src_token_indices, plan.target_dst_token_indices,
         src_tp_rank=1, src_attn_tp_size=2, dst_tp_rank=2, dst_attn_tp_size=4, dst_dcp_size=2,
+    ).blocks  # fmt: skip
+    assert blocks[:, 2].tolist() == [64] * 4  # four runs of four 16-byte tokens
+
+
+def _send_plans(P, N, KVP, K, S, n_tokens, d, head_bytes=256, entries=4, staging_capacity=dcp_gqa.STAGING_BYTES_DEFAULT):
+    """Every prefill rank's plan to decode rank ``d`` for one ``n_tokens`` chunk (contiguous pools)."""
+    src_item = [len(_prefill_heads(0, P, K)) * head_bytes * S] * entries
+    dst_item = [K // (N // KVP) * head_bytes * S] * entries
+    plan = build_dcp_token_transfer_plan(
+        np.arange(-(-n_tokens // S)), np.arange(-(-n_tokens // (S * KVP))), physical_page_size=S, dcp_size=KVP,
+        dcp_rank=d % KVP, num_kv_tokens=n_tokens, interleave_size=S,
     )  # fmt: skip
-    assert [b[2] for b in blocks] == [64] * 4  # four runs of four 16-byte tokens
+    ranks = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P).tp_ranks
+    return plan, [
+        dcp_gqa.head_slice_plan(
+            [1 << 40] * entries, src_item, [2 << 40] * entries, dst_item, S, plan.target_src_token_indices,
+            plan.target_dst_token_indices, src_tp_rank=r, src_attn_tp_size=P, dst_tp_rank=d, dst_attn_tp_size=N,
+            dst_dcp_size=KVP, staging_ptr=3 << 40, staging_capacity=staging_capacity,
+        )  # fmt: skip
+        for r in ranks
+    ]
+
+
+@pytest.mark.parametrize("P,N,KVP,K", DEPLOYED + [(2, 8, 2, 8), (1, 8, 2, 4), (2, 16, 4, 4)])  # + packed sub-slices
+def test_blocks_scale_with_pages_and_each_byte_is_sent_once(P, N, KVP, K):
+    """Per decode rank, all its prefill ranks together: at most a block per owned page per K/V
+    entry per part of the token (a block per token would be S times that), no more per page
+    at twice the tokens, and as many bytes as the decode rank's KV."""
+    S, entries, head_bytes = 16, 4, 256
+    for d in range(N):
+        per_page = []
+        for n_tokens in (4096, 8192):
+            plan, sends = _send_plans(P, N, KVP, K, S, n_tokens, d, head_bytes, entries)
+            owned_pages = len(np.unique(plan.target_dst_token_indices // S))
+            parts = dcp_gqa.decode_parts(P, N, KVP, K)
+            blocks = sum(len(s.blocks) for s in sends)
+            assert blocks <= entries * owned_pages * parts, (d, n_tokens, blocks, owned_pages)
+            per_page.append(blocks / owned_pages)
+            sent = sum(b[2] for s in sends for b in s.blocks)
+            dst_token_bytes = K // (N // KVP) * head_bytes
+            assert sent == plan.target_dst_token_indices.size * dst_token_bytes * entries
+        assert per_page[1] <= per_page[0]  # no more blocks a page at twice the tokens
+
+
+def test_staging_is_bounded_and_used_in_steps():
+    """A --tp 1 prefill into --tp 8 --helix-kvp-size 2 (a quarter of each token): the packed bytes
+    of a step stay within the staging, at least a page, and the steps cover every owned token."""
+    S, entries, head_bytes = 16, 4, 256
+    row_bytes = 8 // 4 * head_bytes * entries
+    for capacity in (1, 5 * S * row_bytes + 7, 1 << 30):
+        plan, sends = _send_plans(1, 8, 2, 8, S, 4096, 3, head_bytes, entries, staging_capacity=capacity)
+        (send,) = sends
+        assert send.staged_bytes == min(max(capacity // (S * row_bytes), 1) * S * row_bytes, plan.target_src_token_indices.size * row_bytes)
+        assert np.concatenate([s.rows for s in send.steps]).tolist() == plan.target_src_token_indices.tolist()
 
 
 @pytest.mark.parametrize("P,N,KVP,K", LAYOUTS)
