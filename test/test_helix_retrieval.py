@@ -23,7 +23,7 @@ prefill in chunks that straddle ownership chunks (``--chunked-prefill-size 100``
 at 10 % and 90 % of ~4K tokens, prompts near the model's 8K context, and the triton backend
 (interpreted: slow).
 
-Measured 2026-11-27 (2-core machine shared with other jobs): the default case 328 s (plain TP's
+Measured 2026-11-27 (2-core machine shared with other jobs): the default case 328 s with a fourth key at 50 % of ~2K (plain TP's
 server included); full tier: DCP's spelling 253 s, chunked prefill 100 321 s, the 4K depths 569 s
 (its own plain-TP reference included), all with max |logprob - plain TP's| <= 3e-6. Not run yet:
 ``--tp 9 --helix-kvp-size 3``, 8K, triton.
