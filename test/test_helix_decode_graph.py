@@ -95,6 +95,12 @@ class _TritonBackend(TritonAttnBackend):
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 132, None
         self.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
         self.dcp_gqa_metadata = None
+        # What upstream's init_cuda_graph_state reads besides (a plain fp32 target on the CPU).
+        self.dllm_attention, self.swa_v_head_dim, self.sliding_window_size = None, None, None
+        self.num_head, self.v_head_dim, self.device, self.max_context_len = H, D, "cpu", MAX_LEN
+        self.lean_total_programs, self.lean_block_m = 1, 1
+        self.is_draft_runner, self.skip_prefill, self.num_draft_tokens = False, False, None
+        self.use_sliding_window_kv_pool = False
 
 
 class _Exchange:
@@ -362,8 +368,11 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         out_cache_loc=torch.zeros(max_bs, dtype=torch.int64), q=torch.zeros(max_bs, H * D),
         k=torch.zeros(NUM_LAYERS, max_bs, KVH * D), v=torch.zeros(NUM_LAYERS, max_bs, KVH * D),
     )  # fmt: skip
-    for backend in backends:
-        backend.dcp_gqa_decode.init_graph_state(max_bs, MAX_LEN)
+    for backend in backends:  # the runner's call: the hook allocates the mode's graph buffers
+        TritonAttnBackend.init_cuda_graph_state(backend, max_bs, max_bs)
+        graph = backend.dcp_gqa_decode.graph
+        assert graph is not None and backend.cuda_graph_kv_indices is graph.kv_indices  # 1/KVP of upstream's rows
+        assert backend.cuda_graph_attn_logits.shape[0] == 0  # upstream's split buffers: never read here
 
     def static_batch(bs):
         return SimpleNamespace(
