@@ -59,7 +59,7 @@ _TAG = r"\[[^\]]*? TP(\d+)\] "
 _KV_ALLOC = re.compile(
     _TAG + r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB"
 )
-_HELIX_KV = re.compile(_TAG + r"Helix KV: (\d+) rows per rank x KVP (\d+) = (\d+) logical tokens")
+_HELIX_KV = re.compile(_TAG + r"DCP GQA KV: (\d+) rows per rank x KVP (\d+) = (\d+) logical tokens")
 _MAX_TOTAL = re.compile(_TAG + r"max_total_num_tokens=(\d+),")
 _LOAD_AVAIL = re.compile(_TAG + r"Load weight begin\. avail mem=([\d.]+) GB")
 

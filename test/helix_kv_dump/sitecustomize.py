@@ -62,7 +62,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
 
         def _forward_dcp(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             out = orig(self, q, k, v, layer, forward_batch, save_kv_cache)
-            if not self.helix:  # Helix's own call is dumped by the wrapper above
+            if not self.dcp_gqa:  # the GQA mode's own call is dumped by the wrapper above
                 import sglang.srt.layers.dcp.gqa_attention as attention
 
                 dump(attention, layer, forward_batch, self)
