@@ -21,7 +21,7 @@ budget P is the same for all three models.
 
 Also checked, per server: the pin reached every rank (each logged 2.00 GB available at load);
 every rank's pool spends its budget (K size + V size within 0.02 GiB of 0.25 GiB: no memory left
-unused and none over-committed); the Helix log line ``Helix KV: R rows per rank x KVP k = G``
+unused and none over-committed); the log line ``DCP GQA KV: R rows per rank x KVP k = G``
 agrees with the pool rows R and with TP0's max_total_num_tokens = G.
 """
 
