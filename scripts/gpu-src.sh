@@ -29,6 +29,8 @@ PY
 cat > "$DST/srt/runtime_context.py" <<'PY'
 def get_parallel():  # no server here: the kernel checks never read the parallel state
     raise RuntimeError("no sglang runtime on this machine (.gpu/src stand-in)")
+def get_spec():  # nor the speculative config
+    raise RuntimeError("no sglang runtime on this machine (.gpu/src stand-in)")
 PY
 grep -qs '^/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.gpu/ >> .git/info/exclude; }
 du -sh .gpu
