@@ -39,7 +39,6 @@ from sglang.srt.layers.dcp import gqa_layout
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed
 from sglang.srt.layers.dcp.gqa_decode import (
     DcpGqaDecodeMetadata,
-    DcpGqaDecodeState,
     kv_split_policy,
     num_kv_splits_by_local_len,
     send_views,
