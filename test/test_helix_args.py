@@ -589,6 +589,16 @@ def test_replicated_q_without_an_exchange_is_the_gqa_mode_on_every_platform(mode
     assert (dcp.helix_kvp_size, dcp.dcp_comm_backend, dcp.dcp_replicate_q_proj) == (2, "a2a", True)
 
 
+@pytest.mark.parametrize("exchange", ["a2a", "fi_a2a"])
+def test_replicated_q_with_an_all_to_all_named_is_the_gqa_mode(model, exchange):
+    """``--dcp-comm-backend a2a`` or ``fi_a2a`` named with ``--dcp-replicate-q-proj`` on a GQA model:
+    the GQA mode too (its exchange is a2a), so the Triton backend has one replicated-Q path (the
+    mode's; the ``[DCP]`` replicated-Q branches the GQA-mode patch replaces are unreachable)."""
+    args = ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", exchange, "--dcp-replicate-q-proj"]
+    cfg = view(resolve(model(), args))
+    assert (cfg.helix_kvp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (2, "a2a", True)
+
+
 def test_replicated_q_with_another_exchange_stays_upstream(model):
     """An exchange the user names other than a2a is upstream DCP's (and its refusal on GQA)."""
     with pytest.raises(ValueError, match="--dcp-replicate-q-proj only applies to the a2a/fi_a2a"):

@@ -121,11 +121,12 @@ def resolve_helix_layout(server_args: Any) -> None:
     elif (
         cfg.dcp_size > 1
         and cfg.dcp_replicate_q_proj
-        and cfg.dcp_comm_backend in (None, "a2a")
+        and cfg.dcp_comm_backend in (None, "a2a", "fi_a2a")
         and (model_config_of(server_args).attention_arch != AttentionArch.MLA)
     ):  # MLA's replicated Q is upstream's
         # Replicated Q on a GQA model is the GQA mode whichever exchange DCP's default would pick (fi_a2a on
-        # Blackwell, a2a on CUDA/HIP/XPU, ag_rs on the CPU): one server for every spelling, on every platform.
+        # Blackwell, a2a on CUDA/HIP/XPU, ag_rs on the CPU) or the user names (a2a, fi_a2a; ag_rs is refused
+        # upstream): one server for every spelling, on every platform, and one replicated-Q attention path.
         logger.info(
             "Decode context parallelism --dcp-size %d --dcp-replicate-q-proj --dcp-interleave-size %d on a "
             "GQA model is Helix parallelism (--helix-kvp-size %d --helix-kvp-chunk-size %d), with "
