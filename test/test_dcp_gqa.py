@@ -252,6 +252,31 @@ def test_torch_attention_shards_merge_to_full_attention(interleave, dcp, decode)
     assert torch.allclose(got, want, atol=1e-5)  # the partials are computed in fp32
 
 
+@pytest.mark.parametrize("path", ["_attend_cpu", "_attend_scores"])
+def test_torch_attention_paths_equal_float64(path):
+    """Both ways the partial attends (the CPU flash kernel with its log-sum-exp; the fp32 scores, for
+    other devices) give float64's output and LSE, with GQA groups, a causal mask over a subset of
+    keys, and queries that see no key (0, -inf)."""
+    from sglang.srt.layers.dcp import torch_attention
+
+    g = torch.Generator().manual_seed(7)
+    b, H, Hk, D, n = 13, 6, 2, 16, 21
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((b, H, D), (n, Hk, D), (n, Hk, D)))
+    key_pos = torch.sort(torch.randperm(60, generator=g)[:n]).values
+    query_pos = torch.arange(b) * 4 + key_pos[0] - 3  # the first query sees no key
+    mask = key_pos[None, :] <= query_pos[:, None]  # [b, n]
+    out, lse = getattr(torch_attention, path)(q, k, v, 0.25, mask)
+    s = torch.einsum("bhd,lhd->hbl", q.double(), k.double().repeat_interleave(H // Hk, 1)) * 0.25
+    s = s.masked_fill(~mask, -math.inf)
+    want_lse = torch.logsumexp(s, -1).T  # [b, H]
+    want = torch.einsum("hbl,lhd->bhd", torch.softmax(s, -1).nan_to_num(0.0), v.double().repeat_interleave(H // Hk, 1))
+    assert not mask[0].any() and torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+    assert torch.allclose(out.double(), want, atol=1e-5) and torch.allclose(lse[1:].double(), want_lse[1:], atol=1e-5)
+    full_out, full_lse = getattr(torch_attention, path)(q, k, v, 0.25, None)  # a decode: every key
+    s = torch.einsum("bhd,lhd->hbl", q.double(), k.double().repeat_interleave(H // Hk, 1)) * 0.25
+    assert torch.allclose(full_lse.double(), torch.logsumexp(s, -1).T, atol=1e-5)
+
+
 def test_torch_attention_empty_shard_is_neutral():
     from sglang.srt.layers.dcp.torch_attention import partial_attention
 
