@@ -356,7 +356,7 @@ _SPELLINGS = {
 
 
 @pytest.mark.e2e
-@FULL  # (the default run serves the DCP spelling through test_helix_kv_consistency.py's tp4-dcp2-rq-i4)
+@FULL  # (the default run serves the DCP spelling against plain TP through dcp2-rq above)
 def test_both_spellings_serve_identical_logprobs(model_dir, server_log_dir):
     """``--helix-kvp-size 2`` and ``--dcp-size 2 --dcp-comm-backend a2a --dcp-replicate-q-proj
     --dcp-interleave-size 64`` on a ``--tp 4`` Llama with 2 KV heads: one server. A single request
