@@ -15,7 +15,7 @@ the busiest rank does at most 1.2x the mean, and the ranks together do what one 
 does (each pair once; plus, on triton, the segments' own causal sliver on the ranks that do not
 keep it: a segment x segment sliver, ~3% of a 2,048-token chunk's pairs per rank). Before the
 split, KVP rank 0 computed every chunk's causal attention over itself alone: on the prompt's second
-chunk the same counter gives it 1.3x (KVP 2) to 3.4x (KVP 8) the mean, and KVP x on the first.
+chunk the same counter gives it 1.3x (KVP 2) to 3.3x (KVP 8) the mean, and KVP x on the first.
 """
 
 from __future__ import annotations
