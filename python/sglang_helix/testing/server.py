@@ -125,6 +125,11 @@ class CpuServer:
         # a multi-rank server tries to take most of the machine.
         if not any(a in self.args for a in ("--max-total-tokens", "--mem-fraction-static")):
             cmd += ["--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS)]
+        # Interpreted Triton (TRITON_INTERPRET=1): one forward of a 4-rank server can take minutes
+        # on 2 shared cores, past the scheduler's 300 s watchdog, which then kills a healthy server
+        # (seen 2026-11-27 at load 24: dcp2-rq-triton, a decode step of the streamed chat).
+        if self.attention_backend == "triton" and "--watchdog-timeout" not in self.args:
+            cmd += ["--watchdog-timeout", "1800"]
         return cmd
 
     def start(self) -> "CpuServer":
