@@ -37,7 +37,7 @@ CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
 
 def _reserved(
     monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True, cores=132, topk=None,
-    graphs=True, decode_backend=None, cpu=False,
+    graphs=True, decode_backend=None, cpu=False, draft=None,
 ):  # fmt: skip
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
@@ -50,7 +50,16 @@ def _reserved(
         kernel=SimpleNamespace(triton_attention_num_kv_splits=splits_flag),
     )  # fmt: skip
     monkeypatch.setattr(sglang.srt.utils, "is_cpu", lambda: cpu)
-    spec = SimpleNamespace(speculative_algorithm="EAGLE" if topk else None, speculative_eagle_topk=topk)
+    spec = SimpleNamespace(
+        speculative_algorithm="STANDALONE" if draft else "EAGLE" if topk else None, speculative_eagle_topk=topk,
+        speculative_draft_model_path="/draft" if draft else None,
+    )  # fmt: skip
+    if draft:  # the draft's config.json, as upstream's get_config reads it: (Q, K, head_dim)
+        from sglang.srt.utils import hf_transformers_utils
+
+        dq, dk, dd = draft
+        hf = SimpleNamespace(num_attention_heads=dq, num_key_value_heads=dk, head_dim=dd, hidden_size=dq * dd)
+        monkeypatch.setattr(hf_transformers_utils, "get_config", lambda path, **_: hf)
     monkeypatch.setattr(decode_state, "get_parallel", lambda: parallel)
     monkeypatch.setattr(decode_state, "get_spec", lambda: spec)
     monkeypatch.setattr(runtime_context, "get_exec", lambda: exec_)
@@ -64,8 +73,9 @@ def _reserved(
     return graph_buffer_bytes(kvc)
 
 
-def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8):
-    """What the shipped state allocates for the graph: lists + one layer's workspace (meta)."""
+def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8, draft=None):
+    """What the shipped state allocates for the graph: lists + one layer's workspace (meta), and a
+    draft layer's when its heads ``draft`` (Q, K, head_dim) differ."""
     req_to_token = torch.empty(MAX_BS + 1, CONTEXT, dtype=torch.int32, device="meta")
     state = DcpGqaDecodeState(req_to_token, 0, KVP, CHUNK)
     state.init_graph_state(MAX_BS, CONTEXT)
@@ -75,7 +85,10 @@ def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8)
     if not cores:  # the backend's fixed setting (kv_split_policy): no per-request policy
         policy = decode_state.KVSplitPolicy(splits_flag, splits_flag, 0)
     buffers.workspace(MAX_BS, q // tpa, max(1, k // tpa), v_head_dim, dtype, policy)
-    tensors = [buffers.write_rows, buffers.kv_indptr, buffers.kv_indices, *buffers._workspace[1]]
+    if draft:
+        buffers.workspace(MAX_BS, draft[0] // tpa, max(1, draft[1] // tpa), draft[2], dtype, policy)
+    workspaces = [t for ws in buffers._workspaces.values() for t in ws]
+    tensors = [buffers.write_rows, buffers.kv_indptr, buffers.kv_indices, *workspaces]
     assert all(t.device.type == "meta" for t in tensors)
     return sum(t.nbytes for t in tensors)
 
@@ -90,6 +103,19 @@ def test_reserved_equals_allocated_for_real_models(name, cores, monkeypatch):
     assert reserved == allocated, (name, reserved, allocated)
     # The lists are 1/KVP of upstream's full-context index buffer (int64): rank 0 owns the most.
     assert allocated > MAX_BS * CONTEXT // KVP * 8
+
+
+@pytest.mark.parametrize("draft", [(32, 8, 64), (64, 8, 128)], ids=["standalone-heads", "target-heads"])
+def test_a_draft_with_its_own_heads_is_charged_its_workspace(draft, monkeypatch):
+    """A STANDALONE draft (Llama-3.1-70B's target with a Llama-3.2-1B-shaped draft: 32 / 8 heads, head
+    dim 64) gets its own workspace in the rank's buffer set: charged from the draft's config, byte
+    for byte what its first layer allocates; a draft with its target's heads (an EAGLE head) shares
+    the target's and adds nothing."""
+    q, k, v_head_dim = MODELS["Llama-3.1-70B"]
+    reserved = _reserved(monkeypatch, q, k, v_head_dim, draft=draft)
+    assert reserved == _allocated(q, k, v_head_dim, draft=draft)
+    alone = _allocated(q, k, v_head_dim)
+    assert (reserved > alone) == (draft != (q, k, v_head_dim))
 
 
 def test_nothing_is_reserved_with_helix_off(monkeypatch):

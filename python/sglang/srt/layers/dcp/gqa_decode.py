@@ -254,11 +254,27 @@ def buffer_bytes(
     """Bytes of one ``DcpGqaDecodeBuffers(max_bs, capacity)`` with its workspace: the lists, the split
     buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``) and ``send``/``recv``.
     """
+    lists = 8 * max_bs + 4 * (max_bs + 1) + 8 * capacity
+    return lists + workspace_bytes(
+        max_bs, num_heads, v_head_dim, dtype, split_rows, kvp_size
+    )
+
+
+def workspace_bytes(
+    max_bs: int,
+    num_heads: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    split_rows: int,
+    kvp_size: int,
+) -> int:
+    """Bytes of one head configuration's workspace (``DcpGqaDecodeBuffers.workspace``): the split
+    buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``), ``send``/``recv``.
+    """
     a2a = a2a_buffer_shape(max_bs, num_heads, v_head_dim, dtype, kvp_size)
     elem = torch.empty((), dtype=dtype).element_size()
-    lists = 8 * max_bs + 4 * (max_bs + 1) + 8 * capacity
     splits = 4 * split_rows * num_heads * (v_head_dim + 1) + 4 * max_bs
-    return lists + splits + 2 * elem * a2a[0] * a2a[1] * a2a[2] * a2a[3]
+    return splits + 2 * elem * a2a[0] * a2a[1] * a2a[2] * a2a[3]
 
 
 def reserved_batch() -> int:
@@ -311,7 +327,7 @@ def graph_buffer_bytes(kvc) -> int:
         min_splits, max(min_splits, DCP_GQA_MAX_KV_SPLITS), get_device_core_count()
     )
     rows = policy.workspace_rows(max_bs, num_heads, num_kv_heads)
-    return buffer_bytes(
+    total = buffer_bytes(
         max_bs,
         capacity,
         num_heads,
@@ -320,6 +336,42 @@ def graph_buffer_bytes(kvc) -> int:
         rows,
         kvp,
     )
+    draft = draft_heads(model_config, tpa)
+    if draft is not None and draft != (
+        num_heads,
+        num_kv_heads,
+        model_config.v_head_dim,
+    ):
+        # A draft whose layers have other heads (a STANDALONE draft) gets its own workspace in
+        # the same set (an EAGLE head has its target's heads and shares the target's).
+        heads, kv_heads, head_dim = draft
+        draft_rows = policy.workspace_rows(max_bs, heads, kv_heads)
+        total += workspace_bytes(
+            max_bs, heads, head_dim, model_config.dtype, draft_rows, kvp
+        )
+    return total
+
+
+def draft_heads(model_config, tpa: int) -> Optional[Tuple[int, int, int]]:
+    """``(Q/TPA, K/TPA, Dv)`` of the speculative draft model's layers, from its config (upstream's
+    cached ``get_config``, the read its speculative step makes), else None (no draft model).
+    """
+    spec = get_spec()
+    path = spec.speculative_draft_model_path if spec.speculative_algorithm else None
+    if not path:
+        return None
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    try:
+        hf = get_config(
+            path, trust_remote_code=getattr(model_config, "trust_remote_code", False)
+        )
+    except (OSError, ValueError):
+        return None  # upstream's draft loading reports a path it cannot read
+    q = hf.num_attention_heads
+    k = getattr(hf, "num_key_value_heads", None) or q
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // q
+    return q // tpa, max(1, k // tpa), head_dim
 
 
 class DcpGqaDecodeState:
