@@ -469,6 +469,9 @@ PREFIX_TESTS = {
     "[CPU] Decode context parallelism on the CPU engine: groups and allocation page": [
         "test/test_helix_groups.py", "test/test_dcp_gqa.py", "-k", "real_gloo or cpu_platform",
     ],
+    "[DCP] Triton DCP extend: every rank joins the prefix merge, and the prefix call reads the pool's heads": [
+        "test/test_dcp_gqa.py", "-k", "test_dcp_serves_plain_tp_tokens and dcp4-triton",  # full tier (~5 min)
+    ],
     "[DCP] GQA: replicated Q with the All-to-All (--dcp-replicate-q-proj)": [
         # (the exchange named: without it replicated Q is the GQA mode's resolution, later in the series)
         "test/test_dcp_gqa.py", "-k", "q_partition or rq-a2a or rq-triton",  # full tier: dcp2-rq-triton (~3 min)
