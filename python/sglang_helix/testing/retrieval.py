@@ -150,22 +150,73 @@ def kv_lookup_prompt(model_dir: str, length: int, depth: float = 0.5, seed: int 
     return RetrievalPrompt(f"kvlookup-{length}-d{int(round(depth * 100))}", text, value, _count(tok, text), (_count(tok, before),))
 
 
+def shared_prefix_prompts(
+    model_dir: str, prefix_length: int = 2048, keys: int = 4, suffix_sentences: int = 24, seed: int = 0, tok=None
+) -> list[RetrievalPrompt]:
+    """``keys`` prompts that share one ``prefix_length``-token prefix (the instruction and filler)
+    and differ after it: each has its own key right after the prefix, then ``suffix_sentences``
+    more filler sentences and the question. A server with a radix cache serves the later prompts'
+    prefix from the first one's KV; each key is new prefill over that cached prefix."""
+    tok = tok or _tokenizer(model_dir)
+
+    def build(n):
+        return INSTRUCTION + "".join(_haystack_units(n)), None
+
+    prefix, n = _fit(tok, build, prefix_length)
+    tail = "".join(_haystack_units(n + suffix_sentences)[n:])
+    at = _count(tok, prefix)
+    values, out = [], []
+    for i in range(keys):
+        seed_i = seed * 1000 + 7919 + i
+        key = key_for(seed_i)
+        while key in values:  # distinct keys: an answer cannot come from another prompt's cache
+            seed_i += 101
+            key = key_for(seed_i)
+        values.append(key)
+        text = prefix + NEEDLE.format(key=key) + tail + QUESTION
+        out.append(RetrievalPrompt(f"shared{prefix_length}-key{i}", text, key, _count(tok, text), (at,)))
+    return out
+
+
 def retrieved(prompt: RetrievalPrompt, text: str) -> bool:
     return prompt.answer in "".join(text.split())
+
+
+def _client(base_url: str, timeout: float):
+    import openai
+
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=timeout, max_retries=0)
+
+
+def ask_one(client, p: RetrievalPrompt, max_tokens: int = 8) -> tuple[Generation, int | None]:
+    """One greedy completion of ``p`` with its logprobs and top-2 logprobs, and the prompt tokens the
+    server took from its radix cache (``usage.prompt_tokens_details``; None unless the server runs
+    with ``--enable-cache-report``)."""
+    r = client.completions.create(
+        model="default", prompt=p.text, max_tokens=max_tokens, temperature=0, logprobs=2,
+    )  # fmt: skip
+    c = r.choices[0]
+    lp = c.logprobs
+    details = getattr(r.usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    return Generation(c.text, list(lp.tokens), list(lp.token_logprobs), [_top2(t) for t in lp.top_logprobs]), cached
 
 
 def ask(base_url: str, prompts, max_tokens: int = 8, timeout: float = 1800) -> list[Generation]:
     """Greedy completions of ``prompts`` (one request each, in order, so that prompts that share a
     prefix meet the radix cache as a user's would), with their logprobs and top-2 logprobs."""
-    import openai
+    client = _client(base_url, timeout)
+    return [ask_one(client, p, max_tokens)[0] for p in prompts]
 
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=timeout, max_retries=0)
-    out = []
-    for p in prompts:
-        r = client.completions.create(
-            model="default", prompt=p.text, max_tokens=max_tokens, temperature=0, logprobs=2,
-        )  # fmt: skip
-        c = r.choices[0]
-        lp = c.logprobs
-        out.append(Generation(c.text, list(lp.tokens), list(lp.token_logprobs), [_top2(t) for t in lp.top_logprobs]))
-    return out
+
+def ask_first_then_together(base_url: str, prompts, max_tokens: int = 8, timeout: float = 1800) -> list:
+    """The first prompt alone (it fills the radix cache with the shared prefix), then all the others
+    at once (one client thread each: they meet the cache and decode in one batch). ``[(Generation,
+    cached prompt tokens)]`` in ``prompts``' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = _client(base_url, timeout)
+    first = ask_one(client, prompts[0], max_tokens)
+    with ThreadPoolExecutor(max(1, len(prompts) - 1)) as pool:
+        rest = list(pool.map(lambda p: ask_one(client, p, max_tokens), prompts[1:]))
+    return [first, *rest]
