@@ -388,8 +388,10 @@ def _refused_then_served(base_url):
 # (384 logical tokens, one page reserved) and the ~325-token prompt (3 pages), the request was never
 # admitted and every later request waited behind it: upstream's allocator clamped the budget of a
 # prompt that can never fit to 0 instead of returning None (plain TP with --page-size 128 does the
-# same). The [Scheduler] patch refuses it at once.
+# same). The [Scheduler] patch refuses it at once. Full tier (CI time): the decision and its
+# message are unit tests in test_scheduler_admission.py; this serves it end to end.
 @pytest.mark.e2e
+@FULL
 def test_a_prompt_the_pool_cannot_hold_is_refused_and_the_server_goes_on(model_dir, server_log_dir):
     path = model_dir(KV2)
     ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, plain_tp_reference)

@@ -52,7 +52,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, TritonMultiStepDraftBackend  # noqa: E402
 from sglang.srt.layers.dcp import comm as dcp_comm  # noqa: E402
 from sglang.srt.layers.dcp import gqa_attention as attention, gqa_decode as decode_state, gqa_layout as kv_layout  # noqa: E402
 from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState  # noqa: E402
@@ -95,6 +95,7 @@ class _TritonBackend(TritonAttnBackend):
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 132, None
         self.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
         self.dcp_gqa_metadata = None
+        self.dcp_size, self.dcp_rank, self.dcp_interleave_size = KVP, kvp_rank, CHUNK  # _set_kv_buffer's
         # What upstream's init_cuda_graph_state reads besides (a plain fp32 target on the CPU).
         self.dllm_attention, self.swa_v_head_dim, self.sliding_window_size = None, None, None
         self.num_head, self.v_head_dim, self.device, self.max_context_len = H, D, "cpu", MAX_LEN
@@ -232,7 +233,7 @@ def _batch(reqs, req_to_token):
     seq = torch.tensor([n for _, n in reqs])
     return SimpleNamespace(
         forward_mode=ForwardMode.DECODE, batch_size=len(reqs), req_pool_indices=slots, seq_lens=seq,
-        seq_lens_cpu=seq, positions=seq - 1, spec_info=None,
+        seq_lens_cpu=seq, positions=seq - 1, spec_info=None, out_cache_loc_is_physical=False,
         out_cache_loc=torch.stack([req_to_token[s, n - 1] for s, n in reqs]).long(),
     )  # fmt: skip
 
@@ -378,7 +379,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         return SimpleNamespace(
             forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=static.req_pool_indices[:bs],
             seq_lens=static.seq_lens[:bs], seq_lens_cpu=static.seq_lens[:bs], positions=static.seq_lens[:bs] - 1,
-            out_cache_loc=static.out_cache_loc[:bs], spec_info=None,
+            out_cache_loc=static.out_cache_loc[:bs], spec_info=None, out_cache_loc_is_physical=False,
         )  # fmt: skip
 
     def body(backend, batch):  # what the graph records: in-graph metadata prep + the layers
@@ -493,8 +494,11 @@ def _draft_rows(reqs, topk):
 @FULL
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
 def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk):
-    """A speculative draft round through the draft graph runner's hooks, in its order: one
-    ``init_forward_metadata_in_graph`` per step backend at the start of the captured body, then per
+    """A speculative draft round through the draft graph runner's hooks on the real
+    ``TritonMultiStepDraftBackend`` (as patched), in its order: its ``init_cuda_graph_state``
+    (each step backend's, sizing the graph buffers for ``max_bs * topk`` tokens), its
+    ``init_forward_metadata_out_graph`` before capture and before each replay, and its
+    ``init_forward_metadata_in_graph`` (every step backend's) at the start of the captured body, then per
     step the step's writes bound and the layer (its first layer fills the step's lists from the
     device positions, into the graph buffers sized for ``max_bs * topk`` tokens), positions
     advanced on the device. Every replay runs the captured op trace with no host read, one
@@ -512,14 +516,21 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
     req_to_token, pools, keys, values = _world(g, {w for written in round_written for w in written})
     spec = SimpleNamespace()  # a draft step: a decode with spec_info
     states = [DcpGqaDecodeState(req_to_token, r, KVP, CHUNK) for r in range(KVP)]
-    step_backends = []  # per rank, one backend per step over the rank's one state (as the pool shares it)
+    step_backends, drafts = [], []  # per rank, one backend per step over the rank's one state (as the pool shares it)
+    max_bs = max(CAPTURE_BS)
     for r in range(KVP):
         step_backends.append([_TritonBackend(pools[r], req_to_token, r) for _ in range(steps)])
         for backend in step_backends[r]:
             backend.dcp_gqa_decode = states[r]
-    max_bs = max(CAPTURE_BS)
-    for state in states:  # the per-step backends' init_cuda_graph_state: max_bs * topk tokens
-        state.init_graph_state(max_bs * topk, MAX_LEN)
+        # The draft worker's TritonMultiStepDraftBackend over these step backends (its __init__ builds
+        # them from a model runner), with the fields its graph hooks read.
+        draft = TritonMultiStepDraftBackend.__new__(TritonMultiStepDraftBackend)
+        draft.topk, draft.speculative_num_steps, draft.attn_backends = topk, DRAFT_STEPS, step_backends[r]
+        draft.max_context_len, draft.device, draft.window_rail = MAX_LEN, "cpu", False
+        draft.init_cuda_graph_state(max_bs, max_bs * topk)  # the draft graph runner's call
+        drafts.append(draft)
+    for state in states:  # sized by the hook for max_bs * topk tokens at the model's context
+        assert state.graph is not None and state.graph.max_bs == max_bs * topk, "init_cuda_graph_state sized no graph buffers"
 
     T_max = max_bs * topk
     statics = [  # each rank's runner has its own static inputs (the body advances positions in place)
@@ -537,13 +548,12 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
         return SimpleNamespace(
             forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=static.req_pool_indices[:bs],
             seq_lens=static.seq_lens[:bs], seq_lens_cpu=static.seq_lens[:bs], positions=static.positions[: bs * topk],
-            out_cache_loc=static.out_cache_loc[0, : bs * topk], spec_info=spec,
+            out_cache_loc=static.out_cache_loc[0, : bs * topk], spec_info=spec, out_cache_loc_is_physical=False,
         )  # fmt: skip
 
     def body(rank, batch):  # the draft runner's run_once: in-graph prep, then draft_forward's steps
         T, static = batch.positions.shape[0], statics[rank]
-        for backend in step_backends[rank]:
-            TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
+        drafts[rank].init_forward_metadata_in_graph(batch)  # every step backend's
         outs = []
         for i, backend in enumerate(step_backends[rank]):
             batch.out_cache_loc = static.out_cache_loc[i, :T]
@@ -562,8 +572,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
 
         def capture(rank, bs=bs):
             batch = static_batch(rank, bs)
-            for backend in step_backends[rank]:
-                TritonAttnBackend.init_forward_metadata_out_graph(backend, batch, in_capture=True)
+            drafts[rank].init_forward_metadata_out_graph(batch, in_capture=True)
             for _ in range(2):
                 body(rank, batch)
             return _traced(lambda: body(rank, batch))[1]
@@ -597,7 +606,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
             for i, backend in enumerate(step_backends[rank]):
                 batch = SimpleNamespace(
                     forward_mode=ForwardMode.DECODE, batch_size=raw_bs, req_pool_indices=slots, seq_lens=seq,
-                    seq_lens_cpu=seq, positions=positions + i, out_cache_loc=loc[i], spec_info=spec,
+                    seq_lens_cpu=seq, positions=positions + i, out_cache_loc=loc[i], spec_info=spec, out_cache_loc_is_physical=False,
                 )  # fmt: skip
                 TritonAttnBackend.init_forward_metadata(backend, batch)
                 calls = exchange.calls[rank]
@@ -619,6 +628,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
 
         def replay(rank):
             view = static_batch(rank, bs)
+            drafts[rank].init_forward_metadata_out_graph(view)  # the replay's out-of-graph hook
             calls = exchange.calls[rank]
             outs, trace = _traced(lambda: body(rank, view))
             return [o[:, :T].clone() for o in outs], exchange.calls[rank] - calls, trace
@@ -682,7 +692,6 @@ def test_eager_lists_without_a_charged_set():
             req_to_token, batch.req_pool_indices, batch.seq_lens, total, 1, KVP, CHUNK
         )
         assert torch.equal(meta.kv_indptr, indptr) and torch.equal(meta.kv_indices[:total], indices)
-        assert torch.equal(meta.write_rows, kv_layout.write_rows(batch.out_cache_loc, 1, KVP, CHUNK))
         assert meta.buffers.capacity == max(total, 1) and meta.buffers.max_bs == len(reqs)
         assert state.graph is None and not meta.buffers.fixed  # nothing kept but the step's metadata
 

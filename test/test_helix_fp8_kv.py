@@ -68,6 +68,11 @@ class _TritonBackend(TritonAttnBackend):
         self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
 
+    # What _set_kv_buffer reads (TritonAttnBackend.__init__ sets them from the parallel state)
+    dcp_size = property(lambda self: runtime_context.get_parallel().attn_dcp_size)
+    dcp_rank = property(lambda self: runtime_context.get_parallel().attn_dcp_rank)
+    dcp_interleave_size = property(lambda self: runtime_context.get_parallel().dcp_interleave_size)
+
 
 class _TorchNativeBackend(TorchNativeAttnBackend):
     def __init__(self, pool, req_to_token):
@@ -110,7 +115,7 @@ def _forward_batch(mode, reqs, req_to_token, extend_as="extend"):
     return SimpleNamespace(
         forward_mode=EXTEND_MODES[extend_as] if mode == "extend" else ForwardMode.DECODE,
         req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq, positions=positions, spec_info=None,
-        out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
+        out_cache_loc_is_physical=False, out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
         extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
         extend_seq_lens=seq - prefix, extend_seq_lens_cpu=(seq - prefix).tolist(),
     )  # fmt: skip

@@ -88,7 +88,7 @@ def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8,
     if draft:
         buffers.workspace(MAX_BS, draft[0] // tpa, max(1, draft[1] // tpa), draft[2], dtype, policy)
     workspaces = [t for ws in buffers._workspaces.values() for t in ws]
-    tensors = [buffers.write_rows, buffers.kv_indptr, buffers.kv_indices, *workspaces]
+    tensors = [buffers.kv_indptr, buffers.kv_indices, *workspaces]
     assert all(t.device.type == "meta" for t in tensors)
     return sum(t.nbytes for t in tensors)
 

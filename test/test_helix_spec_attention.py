@@ -74,7 +74,7 @@ def _batch(mode, reqs, req_to_token, step=0):
     else:  # a verify or a decode has no extend lengths (ForwardBatch leaves them None)
         fields.update(extend_prefix_lens=None, extend_prefix_lens_cpu=None, extend_seq_lens=None, extend_seq_lens_cpu=None)
     batch = SimpleNamespace(
-        req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq.clone(),
+        req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq.clone(), out_cache_loc_is_physical=False,
         positions=torch.cat([torch.arange(a, b) for a, b in spans]),
         out_cache_loc=torch.cat([req_to_token[s, a:b] for (s, _, _), (a, b) in zip(reqs, spans)]).long(),
         **fields,
@@ -287,7 +287,7 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
         loc = req_to_token[slots[req_of], start + step].long()
         fb = SimpleNamespace(
             forward_mode=ForwardMode.DECODE, spec_info=SPEC, seq_lens=seq, seq_lens_cpu=seq.clone(),
-            req_pool_indices=slots, out_cache_loc=loc, positions=seq[req_of] + step,
+            req_pool_indices=slots, out_cache_loc=loc, positions=seq[req_of] + step, out_cache_loc_is_physical=False,
         )  # fmt: skip
         T = loc.shape[0]
         q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
@@ -320,7 +320,7 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     fb = SimpleNamespace(
         forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, seq_lens=seq, seq_lens_cpu=seq.clone(),
         req_pool_indices=slots, out_cache_loc=loc, extend_prefix_lens=None, extend_seq_lens=None,
-        positions=torch.cat([n + torch.tensor(depth) for _, n in reqs]),
+        out_cache_loc_is_physical=False, positions=torch.cat([n + torch.tensor(depth) for _, n in reqs]),
     )  # fmt: skip
     T = loc.shape[0]
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))

@@ -1,7 +1,7 @@
 """DCP's GQA mode (Helix, arXiv 2507.07120): one layer's attention, called by the backends' forward:
 
     q [T, Q/TPA, D], k/v [T, K/TPA, D]                    (qkv_proj over TPA, replicated over KVP)
-      -> write K/V of the tokens this rank owns           (physical rows; DCP's masked store)
+      -> write K/V of the tokens this rank owns           (Triton: the backend's _set_kv_buffer)
       -> partial attention over this rank's KV shard      (out [T, Q/TPA, D], lse [T, Q/TPA])
       -> ONE All-to-All over the DCP group + LSE merge    (exact attention [T, Q/N, D])
       -> [T, Q/N * D] for o_proj (TP over all N ranks)
@@ -45,6 +45,7 @@ from sglang.srt.layers.dcp.gqa_decode import (
 )
 from sglang.srt.layers.dcp.layout import localize_dcp_indices
 from sglang.srt.layers.dcp.torch_attention import partial_attention
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_tokens
 
 
@@ -58,10 +59,9 @@ class DcpGqaForwardMetadata:
     kvp_size: int
     chunk: int
     triton: bool
-    write_rows: (
-        torch.Tensor
-    )  # [T] physical row of each new token on this rank (-1 if not owned)
-    store: Tuple[torch.Tensor, torch.Tensor]  # the K/V store's arguments (_write_owned)
+    # torch_native: the K/V store's (owned token indices, their rows); Triton stores through the
+    # backend's _set_kv_buffer (DCP's masked store at the interleave)
+    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     # torch_native: the local KV list of positions [0, seq_len) (new tokens included), its indptr
     # on the host, and per request the first row of its list when the list is one ascending run of
     # rows (r0, r0 + 1, ...), else None: then the layers read a view, no gather
@@ -101,11 +101,8 @@ def dcp_gqa_forward_metadata(
         parallel.attn_dcp_size,
         parallel.dcp_interleave_size,
     )
-    rows = gqa_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
-    if triton:  # DCP's masked store: (rows with -1 as 0, owned mask) [T]
-        meta = DcpGqaForwardMetadata(
-            k, n, c, True, rows, (rows.clamp(min=0), rows >= 0)
-        )
+    if triton:
+        meta = DcpGqaForwardMetadata(k, n, c, True)
         tree = tree_mask_of(forward_batch)
         if tree is not None:
             meta.extend_lists = _tree_verify_lists(
@@ -116,8 +113,11 @@ def dcp_gqa_forward_metadata(
                 forward_batch, meta, req_to_token
             )
         return meta
+    rows = gqa_layout.write_rows(
+        forward_batch.out_cache_loc, k, n, c
+    )  # [T], -1: not owned
     owned = (rows >= 0).nonzero().squeeze(1)  # (owned token indices, their rows)
-    meta = DcpGqaForwardMetadata(k, n, c, False, rows, (owned, rows[owned]))
+    meta = DcpGqaForwardMetadata(k, n, c, False, (owned, rows[owned]))
     if draft_rows is not None:
         pool, slots, kv_ends, kv_ends_cpu = draft_rows
     else:
@@ -319,7 +319,7 @@ def dcp_gqa_attention(
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     if save_kv_cache and k is not None:
         # (an extend-like forward reads k/v again after the store: DRAFT_EXTEND_V2 too, which is_extend() omits)
-        _write_owned(layer, kv_pool, meta, k, v, extend=not mode.is_decode())
+        _write_owned(layer, backend, forward_batch, meta, k, v, not mode.is_decode())
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
@@ -337,18 +337,19 @@ def dcp_gqa_attention(
     return merged.reshape(merged.shape[0], -1)
 
 
-def _write_owned(layer, kv_pool, meta, k, v, extend: bool) -> None:
-    """Store the K/V of the tokens this rank owns at their rows (``meta.store``, from
-    ``meta.write_rows [T]``). Triton: DCP's masked store (``dcp_kv_mask``), no host sync,
-    capturable; torch_native: the owned rows selected."""
+def _write_owned(layer, backend, forward_batch, meta, k, v, extend: bool) -> None:
+    """Store the K/V of the tokens this rank owns at their rows. Triton: the backend's
+    ``_set_kv_buffer`` (DCP's masked store at the interleave: no host sync, capturable);
+    torch_native: the owned rows selected (``meta.store``)."""
+    kv_pool = backend.token_to_kv_pool
     if extend and _kv_scales(layer, kv_pool, k.dtype):
         # The write divides k/v by the KV scales in place; the Triton extend still reads the
         # chunk being prefilled from them (as upstream's Triton backend, clone first).
         k, v = k.clone(), v.clone()
     if isinstance(meta, DcpGqaDecodeMetadata) or meta.triton:
-        loc, owned = meta.store  # (rows with -1 as 0, owned mask) [T]
-        kv_pool.set_kv_buffer(
-            layer, loc, k, v, layer.k_scale, layer.v_scale, dcp_kv_mask=owned
+        loc = KVWriteLoc.for_batch(forward_batch)
+        backend._set_kv_buffer(
+            forward_batch, layer, loc, k, v, layer.k_scale, layer.v_scale
         )
         return
     owned, owned_rows = meta.store  # (owned token indices, their rows)
@@ -378,7 +379,7 @@ def _decode_step_metadata(forward_batch, backend, num_tokens: int):
         backend.dcp_gqa_metadata = state.metadata
         return state.metadata
     meta = state.metadata
-    if meta is None or meta.write_rows.shape[0] != num_tokens:
+    if meta is None or meta.kv_indptr.shape[0] - 1 != num_tokens:
         raise RuntimeError(
             "dcp gqa attention: the Triton backend did not prepare this decode batch's lists "
             f"(init_forward_metadata / init_forward_metadata_in_graph); {num_tokens} tokens"

@@ -1,7 +1,6 @@
 """DCP's GQA-mode decode metadata and workspaces in persistent buffers: one implementation, eager and graph.
 
-Per forward batch: ``write_rows [T]`` (each new token's physical row here, -1 if not owned) and this
-rank's local KV lists ``kv_indptr [B+1]`` / ``kv_indices [capacity]`` (upstream DCP's list kernel at
+Per forward batch: this rank's local KV lists ``kv_indptr [B+1]`` / ``kv_indices [capacity]`` (upstream DCP's list kernel at
 ``interleave_size = chunk``). Per layer, reused by every layer: the stage-1 split buffers
 ``[T, H, S, Dv]`` and the All-to-All ``send`` / ``recv`` ``[KVP, T, H/KVP, Dv + lpd]`` that stage 2
 writes straight into (``H = Q/TPA``, ``S`` = ``KVSplitPolicy.grid_splits``). ``fill``'s shapes come
@@ -26,7 +25,7 @@ from sglang.kernels.ops.attention.dcp_kernels import (
     create_triton_kv_indices_for_dcp_triton,
 )
 from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
-from sglang.srt.layers.dcp.gqa_layout import local_kv_lens, write_rows
+from sglang.srt.layers.dcp.gqa_layout import local_kv_lens
 from sglang.srt.runtime_context import get_parallel, get_spec
 
 logger = logging.getLogger(__name__)
@@ -160,12 +159,10 @@ def num_kv_splits_by_local_len(
 class DcpGqaDecodeMetadata:
     """One decode batch's lists (views into the persistent buffers)."""
 
-    write_rows: torch.Tensor  # [T]
-    kv_indptr: torch.Tensor  # [B+1]
+    kv_indptr: torch.Tensor  # [B+1] ([T+1] for a tree draft step: one list per token)
     kv_indices: torch.Tensor  # [capacity]
     local_lens: torch.Tensor  # [B] this rank's KV length per request
     buffers: "DcpGqaDecodeBuffers"
-    store: Tuple[torch.Tensor, torch.Tensor]  # the masked K/V store's (loc, mask) [T]
     splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
 
 
@@ -187,7 +184,6 @@ class DcpGqaDecodeBuffers:
             device,
         )
         self.fixed = fixed  # a graph's buffers: never reallocated (the graph holds their addresses)
-        self.write_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(capacity, dtype=torch.int64, device=device)
         # The per-layer workspaces by head configuration (a speculative draft's layers may have
@@ -254,7 +250,7 @@ def buffer_bytes(
     """Bytes of one ``DcpGqaDecodeBuffers(max_bs, capacity)`` with its workspace: the lists, the split
     buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``) and ``send``/``recv``.
     """
-    lists = 8 * max_bs + 4 * (max_bs + 1) + 8 * capacity
+    lists = 4 * (max_bs + 1) + 8 * capacity
     return lists + workspace_bytes(
         max_bs, num_heads, v_head_dim, dtype, split_rows, kvp_size
     )
@@ -437,10 +433,7 @@ class DcpGqaDecodeState:
         Each request lists the positions ``[0, kv_ends)`` this rank owns (default ``seq_lens``).
         """
         k, n, c = self.kvp_rank, self.kvp_size, self.chunk
-        num_tokens = forward_batch.out_cache_loc.shape[0]
         batch = forward_batch.req_pool_indices.shape[0]
-        rows = buffers.write_rows[:num_tokens]
-        rows.copy_(write_rows(forward_batch.out_cache_loc, k, n, c))
         ends = (
             forward_batch.seq_lens if kv_ends is None else kv_ends
         )  # [B], or a tree draft step's [T]
@@ -472,10 +465,7 @@ class DcpGqaDecodeState:
                 k,
                 interleave_size=c,
             )
-        store = (rows.clamp(min=0), rows >= 0)  # (rows with -1 as 0, owned mask) [T]
-        return DcpGqaDecodeMetadata(
-            rows, kv_indptr, buffers.kv_indices, local_lens, buffers, store
-        )
+        return DcpGqaDecodeMetadata(kv_indptr, buffers.kv_indices, local_lens, buffers)
 
     def _tree_segments(
         self,
