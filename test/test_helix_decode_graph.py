@@ -780,3 +780,30 @@ def test_the_all_to_all_runs_over_the_dcp_group(monkeypatch):
     with parallel_state.graph_capture():
         pass
     assert entered == ["tp", "pp", "dcp"]
+
+
+@pytest.mark.parametrize("interleave", [1, 2])
+def test_dcp_store_owns_by_slot_at_the_interleave(interleave):
+    """``TritonAttnBackend._set_kv_buffer`` under DCP (every DCP write, the GQA mode's too): a rank
+    stores the tokens whose slot it owns -- runs of ``--dcp-interleave-size`` slots round robin
+    (``localize_dcp_indices``) -- at the slot's local row, and nothing else. The RoPE positions here
+    are not the slots' (a tree verify's drafts sit at ``seq_len + depth``), so a rule that reads
+    ``positions`` stores the wrong tokens; one that ignores the interleave, the wrong rows."""
+    slots = torch.arange(8, 20, dtype=torch.int64)  # [T] logical slots of the new tokens (page-aligned)
+    positions = torch.tensor([8, 9, 9, 10, 10, 10, 11, 12, 12, 13, 14, 14])  # RoPE: depth, not row
+    k, v = torch.randn(slots.shape[0], KVH, D), torch.randn(slots.shape[0], KVH, D)
+    batch = SimpleNamespace(out_cache_loc=slots, positions=positions, out_cache_loc_is_physical=False)
+    for rank in range(KVP):
+        pool = MHATokenToKVPool(32, 1, torch.float32, KVH, D, 1, "cpu", enable_memory_saver=False)
+        pool.get_key_buffer(0).fill_(float("nan"))
+        backend = _TritonBackend(pool, torch.zeros(1, MAX_LEN, dtype=torch.int32), rank)
+        backend.dcp_interleave_size = interleave
+        TritonAttnBackend._set_kv_buffer(backend, batch, LAYERS[0], None, k, v)
+        keys = pool.get_key_buffer(0)
+        for t, slot in enumerate(slots.tolist()):
+            owner = slot // interleave % KVP
+            row = slot // (interleave * KVP) * interleave + slot % interleave
+            if owner == rank:
+                assert torch.equal(keys[row], k[t]), f"rank {rank}: token {t} (slot {slot}) not at row {row}"
+        owned = sum(1 for s in slots.tolist() if s // interleave % KVP == rank)
+        assert int((~keys.isnan().any(-1).any(-1)).sum()) == owned, f"rank {rank} stored other ranks' tokens"
