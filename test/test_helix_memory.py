@@ -152,17 +152,18 @@ def test_each_head_configuration_gets_its_own_workspace():
     assert len(buffers._workspaces) == 2
 
 
-@pytest.mark.parametrize("helix", [True, False], ids=["helix", "off"])
-def test_the_pool_configurator_charges_it_before_sizing_the_pool(helix, monkeypatch):
-    """``DefaultPoolConfigurator`` (the Triton-backend patch) adds ``graph_buffer_bytes`` to its
-    fixed overhead, which the KV pool's token count is sized after; with Helix off nothing."""
+def _configurator(monkeypatch, helix, disagg=None, page_size=64):
+    """``DefaultPoolConfigurator`` over a Llama-3.1-70B-shaped config with its sizing inputs stubbed
+    (cell 1024 bytes a token, page-shard scratch 4096), and the decode buffers' charge."""
     from sglang.srt.model_executor import pool_configurator
 
     q, k, v_head_dim = MODELS["Llama-3.1-70B"]
     charge = _reserved(monkeypatch, q, k, v_head_dim, helix=helix)  # installs the same parallel/exec
     parallel = decode_state.get_parallel()
     monkeypatch.setattr(pool_configurator, "get_parallel", lambda: parallel)
-    monkeypatch.setattr(pool_configurator, "get_schedule", lambda: SimpleNamespace(max_total_tokens=None))
+    monkeypatch.setattr(pool_configurator, "get_schedule", lambda: SimpleNamespace(max_total_tokens=None, page_size=page_size))
+    monkeypatch.setattr(pool_configurator, "get_disagg", lambda: disagg or SimpleNamespace(
+        disaggregation_mode="null", disaggregation_transfer_backend="mooncake"))  # fmt: skip
     monkeypatch.setattr(pool_configurator, "mambaish_config", lambda model_config: None)
     monkeypatch.setattr(pool_configurator, "compute_page_shard_scratch_bytes", lambda kvc, include_mtp: 4096)
     monkeypatch.setattr(pool_configurator.DefaultPoolConfigurator, "_compute_cell_size", lambda self, kvc, n: 1024)
@@ -170,15 +171,43 @@ def test_the_pool_configurator_charges_it_before_sizing_the_pool(helix, monkeypa
     algorithm = SimpleNamespace(is_eagle=lambda: False, is_standalone=lambda: False, is_dflash_family=lambda: False)
     kvc = SimpleNamespace(
         kv_cache_dtype_str="auto", layer_info=SimpleNamespace(num_effective_layers=80), pp_size=1,
-        is_draft_worker=False, spec_algorithm=algorithm,
+        is_draft_worker=False, spec_algorithm=algorithm, use_mla_backend=False,
         model_config=SimpleNamespace(
             num_attention_heads=q, get_total_num_kv_heads=lambda: k, v_head_dim=v_head_dim, context_len=CONTEXT,
             dtype=torch.bfloat16,
         ),
     )  # fmt: skip
-    configurator = pool_configurator.DefaultPoolConfigurator(kvc)
+    return pool_configurator.DefaultPoolConfigurator(kvc), charge
+
+
+@pytest.mark.parametrize("helix", [True, False], ids=["helix", "off"])
+def test_the_pool_configurator_charges_it_before_sizing_the_pool(helix, monkeypatch):
+    """``DefaultPoolConfigurator`` (the Triton-backend patch) adds ``graph_buffer_bytes`` to its
+    fixed overhead, which the KV pool's token count is sized after; with Helix off nothing."""
+    configurator, charge = _configurator(monkeypatch, helix)
     assert configurator._fixed_overhead_bytes == 4096 + charge
     assert (charge > 0) == helix
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "null"])
+@pytest.mark.parametrize("staging", [None, 1024])
+def test_a_pd_prefill_charges_its_transfer_staging(mode, staging, monkeypatch):
+    """A prefill server of PD disaggregation over Mooncake (the PD patch) charges what its transfer
+    workers may allocate for head sub-slices a decode in DCP's GQA mode takes: one staging buffer
+    per transfer queue (``SGLANG_DISAGGREGATION_QUEUE_SIZE``), each the larger of
+    ``SGLANG_DCP_PD_STAGING_BYTES`` (64 MiB unset) and one page of every K/V entry, the size
+    ``MooncakeKVManager._dcp_gqa_staging`` allocates; a decode server or no PD, nothing."""
+    from sglang.srt.disaggregation.common import dcp_gqa
+
+    if staging is not None:
+        monkeypatch.setenv(dcp_gqa.STAGING_BYTES_ENV, str(staging))
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_QUEUE_SIZE", "3")
+    disagg = SimpleNamespace(disaggregation_mode=mode, disaggregation_transfer_backend="mooncake")
+    configurator, _ = _configurator(monkeypatch, False, disagg, page_size=64)
+    page_bytes = 1024 * 64  # one page of every K/V entry: the cell (bytes a token) x the page
+    per_queue = 64 << 20 if staging is None else page_bytes  # 1024 bytes < a page: the page wins
+    want = 3 * per_queue if mode == "prefill" else 0
+    assert configurator._fixed_overhead_bytes == 4096 + want
 
 
 def test_eager_decode_uses_the_one_charged_set():

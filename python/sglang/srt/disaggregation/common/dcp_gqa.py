@@ -48,6 +48,13 @@ def staging_bytes() -> int:
     return int(os.environ.get(STAGING_BYTES_ENV, STAGING_BYTES_DEFAULT))
 
 
+def staging_charge_bytes(page_bytes: int, transfer_queues: int) -> int:
+    """The most a prefill server's transfer workers hold in staging: one buffer per transfer queue
+    (its worker thread sends), each the larger of ``staging_bytes()`` and one page of every K/V
+    entry (``page_bytes``). The KV pool sizing charges it on a GQA prefill server."""
+    return transfer_queues * max(staging_bytes(), page_bytes)
+
+
 class PrefillRanks(NamedTuple):
     """What a decode rank reads: ``tp_ranks`` (prefill attention-TP ranks, all real senders), how
     many decode ranks each of them serves per request (``required_dst_info_num``) and how many of
