@@ -5,7 +5,7 @@ order, and proves that re-running the Python of a captured step is what a replay
 
 - **capture** (per captured batch size, largest first): the runner's static inputs sliced to the
   size, ``init_forward_metadata_out_graph(in_capture=True)``, then the captured body twice as warm-up
-  and once as "capture": ``init_forward_metadata_in_graph`` + the layer (``dcp_gqa_attention``).
+  and once as "capture": ``init_forward_metadata_in_graph`` + the layers (``forward_decode``: upstream's K/V store, then its DCP branch, ``dcp_gqa_attention``).
 - **replay**: the real batch copied into the static inputs, padded as the runner pads (``seq_len``
   1, slot 0, write loc 0), ``init_forward_metadata_out_graph`` on the replay view, then the
   captured body again.
@@ -52,7 +52,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend, TritonMultiStepDraftBackend  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend, TritonMultiStepDraftBackend  # noqa: E402
 from sglang.srt.layers.dcp import comm as dcp_comm  # noqa: E402
 from sglang.srt.layers.dcp import gqa_attention as attention, gqa_decode as decode_state, gqa_layout as kv_layout  # noqa: E402
 from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState  # noqa: E402
@@ -96,6 +96,9 @@ class _TritonBackend(TritonAttnBackend):
         self.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
         self.dcp_gqa_metadata = None
         self.dcp_size, self.dcp_rank, self.dcp_interleave_size = KVP, kvp_rank, CHUNK  # _set_kv_buffer's
+        # What forward_decode reads before its DCP branch; the GQA mode's forward_metadata holds none
+        self.use_mla = self.enable_deterministic = self.enable_lean_attention = False
+        self.forward_metadata = ForwardMetadata(*[None] * 13)
         # What upstream's init_cuda_graph_state reads besides (a plain fp32 target on the CPU).
         self.dllm_attention, self.swa_v_head_dim, self.sliding_window_size = None, None, None
         self.num_head, self.v_head_dim, self.device, self.max_context_len = H, D, "cpu", MAX_LEN
@@ -266,6 +269,7 @@ LAYERS = [
     SimpleNamespace(
         layer_id=i, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
         k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None, logit_cap=0.0, sliding_window_size=-1,
+        logit_capping_method=None,
     )  # fmt: skip
     for i in range(NUM_LAYERS)
 ]
@@ -386,7 +390,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
         bs = batch.batch_size
         return torch.stack([
-            attention.dcp_gqa_attention(layer, static.q[:bs], static.k[i, :bs], static.v[i, :bs], batch, backend)
+            backend.forward_decode(static.q[:bs], static.k[i, :bs], static.v[i, :bs], layer, batch)
             for i, layer in enumerate(LAYERS)
         ])  # fmt: skip
 
@@ -422,7 +426,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata(backends[rank], batch)
             calls = exchange.calls[rank]
             out = torch.stack([
-                attention.dcp_gqa_attention(layer, q, k[i], v[i], batch, backends[rank]).clone()
+                backends[rank].forward_decode(q, k[i], v[i], layer, batch).clone()
                 for i, layer in enumerate(LAYERS)
             ])  # fmt: skip
             splits = backends[rank].dcp_gqa_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
@@ -558,7 +562,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
         for i, backend in enumerate(step_backends[rank]):
             batch.out_cache_loc = static.out_cache_loc[i, :T]
             outs.append(torch.stack([
-                attention.dcp_gqa_attention(layer, static.q[i, :T], static.k[j, i, :T], static.v[j, i, :T], batch, backend)
+                backend.forward_decode(static.q[i, :T], static.k[j, i, :T], static.v[j, i, :T], layer, batch)
                 for j, layer in enumerate(LAYERS)
             ]))  # fmt: skip
             batch.positions.add_(1)
@@ -611,7 +615,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
                 TritonAttnBackend.init_forward_metadata(backend, batch)
                 calls = exchange.calls[rank]
                 outs.append(torch.stack([
-                    attention.dcp_gqa_attention(layer, q[i], k[j, i], v[j, i], batch, backend) for j, layer in enumerate(LAYERS)
+                    backend.forward_decode(q[i], k[j, i], v[j, i], layer, batch) for j, layer in enumerate(LAYERS)
                 ]))  # fmt: skip
                 assert exchange.calls[rank] - calls == NUM_LAYERS
             return outs, _snapshot(pools[rank])

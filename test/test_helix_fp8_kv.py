@@ -38,7 +38,8 @@ if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
 
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend  # noqa: E402
+from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
 from sglang.srt.layers.dcp import gqa_attention as attention, gqa_layout as kv_layout  # noqa: E402
 from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState, send_views  # noqa: E402
@@ -72,6 +73,10 @@ class _TritonBackend(TritonAttnBackend):
     dcp_size = property(lambda self: runtime_context.get_parallel().attn_dcp_size)
     dcp_rank = property(lambda self: runtime_context.get_parallel().attn_dcp_rank)
     dcp_interleave_size = property(lambda self: runtime_context.get_parallel().dcp_interleave_size)
+    # What forward_decode / forward_extend read before their DCP branch (a plain fp32 target)
+    use_dense_fp8_chunked_prefill = use_mla = allow_bidirectional_attention_in_extend = False
+    is_draft_runner = enable_deterministic = enable_lean_attention = False
+    forward_metadata = ForwardMetadata(*[None] * 13)  # the GQA mode's: none of upstream's lists
 
 
 class _TorchNativeBackend(TorchNativeAttnBackend):
@@ -81,6 +86,15 @@ class _TorchNativeBackend(TorchNativeAttnBackend):
 
 
 BACKENDS = {"triton": _TritonBackend, "torch_native": _TorchNativeBackend}
+
+
+def attend(backend, layer, q, k, v, batch):
+    """What a model layer's ``self.attn`` runs in DCP's GQA mode: Triton's ``forward_decode`` /
+    ``forward_extend`` (upstream's K/V store, then the DCP branch), torch_native's ``_forward_dcp``."""
+    if isinstance(backend, TritonAttnBackend):
+        forward = backend.forward_decode if batch.forward_mode.is_decode() else backend.forward_extend
+        return forward(q, k, v, layer, batch)
+    return backend._forward_dcp(q, k, v, layer, batch, True)
 
 
 def init_forward_metadata(backend, batch):
@@ -97,6 +111,7 @@ def _layer(scales):
         k_scale=None if scales is None else torch.tensor(k_scale),
         v_scale=None if scales is None else torch.tensor(v_scale),
         k_scale_float=k_scale, v_scale_float=v_scale, logit_cap=0.0, sliding_window_size=-1,
+        logit_capping_method=None, is_cross_attention=False, attn_type=AttentionType.DECODER,
     )  # fmt: skip
 
 
@@ -115,7 +130,7 @@ def _forward_batch(mode, reqs, req_to_token, extend_as="extend"):
     return SimpleNamespace(
         forward_mode=EXTEND_MODES[extend_as] if mode == "extend" else ForwardMode.DECODE,
         req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq, positions=positions, spec_info=None,
-        out_cache_loc_is_physical=False, out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
+        out_cache_loc_is_physical=False, mha_one_shot=False, out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
         extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
         extend_seq_lens=seq - prefix, extend_seq_lens_cpu=(seq - prefix).tolist(),
     )  # fmt: skip
@@ -221,7 +236,7 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache, extend_as):
                 backend.dcp_gqa_decode.prepare_eager(batch)
             init_forward_metadata(backend, batch)
             k_in, v_in = k.clone(), v.clone()
-            attention.dcp_gqa_attention(layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch, backend)
+            attend(backend, layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch)
             if mode == "extend":  # the pool's write must not have scaled the K/V in hand
                 assert torch.equal(k_in, k) and torch.equal(v_in, v)
 

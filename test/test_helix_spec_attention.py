@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from test_helix_fp8_kv import (  # noqa: E402
-    BACKENDS, CHUNK, D, H, KVH, KVP, MAX_LEN, _layer, _reference, capture_partials, init_forward_metadata, paged_table_and_pools,
+    BACKENDS, CHUNK, D, H, KVH, KVP, MAX_LEN, _layer, _reference, attend, capture_partials, init_forward_metadata, paged_table_and_pools,
 )  # fmt: skip
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
@@ -75,7 +75,7 @@ def _batch(mode, reqs, req_to_token, step=0):
         fields.update(extend_prefix_lens=None, extend_prefix_lens_cpu=None, extend_seq_lens=None, extend_seq_lens_cpu=None)
     batch = SimpleNamespace(
         req_pool_indices=slots, seq_lens=seq, seq_lens_cpu=seq.clone(), out_cache_loc_is_physical=False,
-        positions=torch.cat([torch.arange(a, b) for a, b in spans]),
+        mha_one_shot=False, positions=torch.cat([torch.arange(a, b) for a, b in spans]),
         out_cache_loc=torch.cat([req_to_token[s, a:b] for (s, _, _), (a, b) in zip(reqs, spans)]).long(),
         **fields,
     )  # fmt: skip
@@ -156,9 +156,7 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
                     for name in ("item", "tolist", "cpu", "numpy"):
                         m.setattr(torch.Tensor, name, _forbid(name))
                 for _ in range(2):  # two layers of one forward: the second reuses the first's lists
-                    attention.dcp_gqa_attention(
-                        layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch, backends[r]
-                    )  # fmt: skip
+                    attend(backends[r], layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch)
             if backend_name == "triton" and mode == "draft":
                 assert filled[r] == before[r] + 1, "a draft step's lists are filled once, by its first layer"
 
@@ -222,7 +220,7 @@ def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials):
         parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
         monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
         init_forward_metadata(backend, batch_of(r))
-        attention.dcp_gqa_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r), backend)
+        attend(backend, layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r))
     out, _ = dcp_lse_combine_triton(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
     return out
 
@@ -320,7 +318,7 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     fb = SimpleNamespace(
         forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec, seq_lens=seq, seq_lens_cpu=seq.clone(),
         req_pool_indices=slots, out_cache_loc=loc, extend_prefix_lens=None, extend_seq_lens=None,
-        out_cache_loc_is_physical=False, positions=torch.cat([n + torch.tensor(depth) for _, n in reqs]),
+        out_cache_loc_is_physical=False, mha_one_shot=False, positions=torch.cat([n + torch.tensor(depth) for _, n in reqs]),
     )  # fmt: skip
     T = loc.shape[0]
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))

@@ -1,7 +1,7 @@
 """DCP's GQA mode (Helix, arXiv 2507.07120): one layer's attention, called by the backends' forward:
 
     q [T, Q/TPA, D], k/v [T, K/TPA, D]                    (qkv_proj over TPA, replicated over KVP)
-      -> write K/V of the tokens this rank owns           (Triton: the backend's _set_kv_buffer)
+      -> write K/V of the tokens this rank owns           (Triton: the backend's, before its DCP branch)
       -> partial attention over this rank's KV shard      (out [T, Q/TPA, D], lse [T, Q/TPA])
       -> ONE All-to-All over the DCP group + LSE merge    (exact attention [T, Q/N, D])
       -> [T, Q/N * D] for o_proj (TP over all N ranks)
@@ -45,7 +45,6 @@ from sglang.srt.layers.dcp.gqa_decode import (
 )
 from sglang.srt.layers.dcp.layout import localize_dcp_indices
 from sglang.srt.layers.dcp.torch_attention import partial_attention
-from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_tokens
 
 
@@ -300,7 +299,8 @@ def dcp_gqa_attention(
     layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True
 ) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads, ``[T, Q/N * Dv]`` for ``o_proj``, from the
-    Triton or torch_native backend in DCP's GQA mode; ``layer`` has the TPA-local head counts.
+    DCP branch of the Triton or torch_native backend in DCP's GQA mode (Triton's forward stored
+    the K/V before, ``save_kv_cache=False``); ``layer`` has the TPA-local head counts.
     """
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
@@ -318,8 +318,7 @@ def dcp_gqa_attention(
         k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
     if save_kv_cache and k is not None:
-        # (an extend-like forward reads k/v again after the store: DRAFT_EXTEND_V2 too, which is_extend() omits)
-        _write_owned(layer, backend, forward_batch, meta, k, v, not mode.is_decode())
+        _write_owned(layer, kv_pool, meta, k, v)
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
@@ -337,21 +336,9 @@ def dcp_gqa_attention(
     return merged.reshape(merged.shape[0], -1)
 
 
-def _write_owned(layer, backend, forward_batch, meta, k, v, extend: bool) -> None:
-    """Store the K/V of the tokens this rank owns at their rows. Triton: the backend's
-    ``_set_kv_buffer`` (DCP's masked store at the interleave: no host sync, capturable);
-    torch_native: the owned rows selected (``meta.store``)."""
-    kv_pool = backend.token_to_kv_pool
-    if extend and _kv_scales(layer, kv_pool, k.dtype):
-        # The write divides k/v by the KV scales in place; the Triton extend still reads the
-        # chunk being prefilled from them (as upstream's Triton backend, clone first).
-        k, v = k.clone(), v.clone()
-    if isinstance(meta, DcpGqaDecodeMetadata) or meta.triton:
-        loc = KVWriteLoc.for_batch(forward_batch)
-        backend._set_kv_buffer(
-            forward_batch, layer, loc, k, v, layer.k_scale, layer.v_scale
-        )
-        return
+def _write_owned(layer, kv_pool, meta: DcpGqaForwardMetadata, k, v) -> None:
+    """torch_native: store the K/V of the tokens this rank owns at their rows (``meta.store``; the
+    owned rows are copies, so the K/V in hand keep their values)."""
     owned, owned_rows = meta.store  # (owned token indices, their rows)
     kv_pool.set_kv_buffer(
         layer, owned_rows, k[owned], v[owned], layer.k_scale, layer.v_scale
