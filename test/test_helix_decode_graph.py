@@ -107,6 +107,13 @@ class _TritonBackend(TritonAttnBackend):
         self.use_sliding_window_kv_pool = False
 
 
+def _self_attn(backend, layer, q, k, v, batch):
+    """A model layer's ``self.attn`` on a decode: RadixAttention views K/V as ``[T, K, D]`` and calls
+    the backend's ``forward_decode`` (upstream's K/V store, then its DCP branch)."""
+    k, v = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim), v.view(-1, layer.tp_k_head_num, layer.v_head_dim)
+    return backend.forward_decode(q, k, v, layer, batch)
+
+
 class _Exchange:
     """A KVP-wide ``all_to_all_single`` between threads; one thread runs at a time (``turn``)."""
 
@@ -269,7 +276,7 @@ LAYERS = [
     SimpleNamespace(
         layer_id=i, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
         k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None, logit_cap=0.0, sliding_window_size=-1,
-        logit_capping_method=None,
+        logit_capping_method="tanh",
     )  # fmt: skip
     for i in range(NUM_LAYERS)
 ]
@@ -390,7 +397,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
         TritonAttnBackend.init_forward_metadata_in_graph(backend, batch)
         bs = batch.batch_size
         return torch.stack([
-            backend.forward_decode(static.q[:bs], static.k[i, :bs], static.v[i, :bs], layer, batch)
+            _self_attn(backend, layer, static.q[:bs], static.k[i, :bs], static.v[i, :bs], batch)
             for i, layer in enumerate(LAYERS)
         ])  # fmt: skip
 
@@ -426,7 +433,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata(backends[rank], batch)
             calls = exchange.calls[rank]
             out = torch.stack([
-                backends[rank].forward_decode(q, k[i], v[i], layer, batch).clone()
+                _self_attn(backends[rank], layer, q, k[i], v[i], batch).clone()
                 for i, layer in enumerate(LAYERS)
             ])  # fmt: skip
             splits = backends[rank].dcp_gqa_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
@@ -562,7 +569,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
         for i, backend in enumerate(step_backends[rank]):
             batch.out_cache_loc = static.out_cache_loc[i, :T]
             outs.append(torch.stack([
-                backend.forward_decode(static.q[i, :T], static.k[j, i, :T], static.v[j, i, :T], layer, batch)
+                _self_attn(backend, layer, static.q[i, :T], static.k[j, i, :T], static.v[j, i, :T], batch)
                 for j, layer in enumerate(LAYERS)
             ]))  # fmt: skip
             batch.positions.add_(1)
@@ -615,7 +622,7 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
                 TritonAttnBackend.init_forward_metadata(backend, batch)
                 calls = exchange.calls[rank]
                 outs.append(torch.stack([
-                    backend.forward_decode(q[i], k[j, i], v[j, i], layer, batch) for j, layer in enumerate(LAYERS)
+                    _self_attn(backend, layer, q[i], k[j, i], v[j, i], batch) for j, layer in enumerate(LAYERS)
                 ]))  # fmt: skip
                 assert exchange.calls[rank] - calls == NUM_LAYERS
             return outs, _snapshot(pools[rank])

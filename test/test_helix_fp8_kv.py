@@ -65,7 +65,7 @@ class _TritonBackend(TritonAttnBackend):
 
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
-        self.dcp_gqa_decode = None  # set for a decode step below, as init_forward_metadata's state
+        self.dcp_gqa_decode = None  # the mode's state: set per rank below
         self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
 
@@ -91,7 +91,8 @@ BACKENDS = {"triton": _TritonBackend, "torch_native": _TorchNativeBackend}
 def attend(backend, layer, q, k, v, batch):
     """What a model layer's ``self.attn`` runs in DCP's GQA mode: Triton's ``forward_decode`` /
     ``forward_extend`` (upstream's K/V store, then the DCP branch), torch_native's ``_forward_dcp``."""
-    if isinstance(backend, TritonAttnBackend):
+    if isinstance(backend, TritonAttnBackend):  # (RadixAttention views K/V as [T, K, D] first)
+        k, v = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim), v.view(-1, layer.tp_k_head_num, layer.v_head_dim)
         forward = backend.forward_decode if batch.forward_mode.is_decode() else backend.forward_extend
         return forward(q, k, v, layer, batch)
     return backend._forward_dcp(q, k, v, layer, batch, True)
@@ -111,7 +112,7 @@ def _layer(scales):
         k_scale=None if scales is None else torch.tensor(k_scale),
         v_scale=None if scales is None else torch.tensor(v_scale),
         k_scale_float=k_scale, v_scale_float=v_scale, logit_cap=0.0, sliding_window_size=-1,
-        logit_capping_method=None, is_cross_attention=False, attn_type=AttentionType.DECODER,
+        logit_capping_method="tanh", is_cross_attention=False, attn_type=AttentionType.DECODER,
     )  # fmt: skip
 
 
@@ -231,9 +232,10 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache, extend_as):
             backend = BACKENDS[backend_name](pools[kvp_rank], req_to_token)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = _forward_batch(mode, reqs, req_to_token, extend_as)
-            if backend_name == "triton" and mode == "decode":  # what the backend's init_forward_metadata does
+            if backend_name == "triton":  # the mode's decode state (which marks the mode on Triton)
                 backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
-                backend.dcp_gqa_decode.prepare_eager(batch)
+                if mode == "decode":  # what the backend's init_forward_metadata does
+                    backend.dcp_gqa_decode.prepare_eager(batch)
             init_forward_metadata(backend, batch)
             k_in, v_in = k.clone(), v.clone()
             attend(backend, layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch)
