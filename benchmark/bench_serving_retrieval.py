@@ -15,11 +15,8 @@ every measured prompt is prefilled in full.
 Writes ``benchmark/results/serving-smollm2.json`` (bench_serving's own result rows, plus the layout
 and the machine) and ``serving-smollm2.md`` (TTFT, TPOT, ITL, output tokens/s), after each layout.
 
-Status 2026-11-27: run once (``--lengths 2048 4096 --num-prompts 1 --output-len 16``) on the shared
-2-core machine and stopped by hand after 9 minutes, the load average at ~79 from other jobs'
-servers: plain ``--tp 3`` had served its 2K row (one prompt: TTFT 7.5 s, TPOT/ITL 408 ms, 1.17
-output tok/s; server start 3.5 min) and was in its 4K row; no Helix number, no results file yet.
-The plumbing (servers, ``random-ids`` offline, the JSON row) worked as far as it went.
+Results: ``benchmark/results/serving-smollm2.{json,md}`` (2026-11-27, ``--lengths 2048 4096 7680
+--num-prompts 2 --output-len 32``, ~12 min on 2 cores).
 """
 
 from __future__ import annotations
