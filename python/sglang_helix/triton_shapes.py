@@ -1,7 +1,8 @@
 """Unit-level Helix launches at real model shapes, for the Triton specialization record (issue 35).
 
-Drives ``dcp_gqa_attention`` for one KVP rank (a chunked prefill of two requests -- an extend without
-and one with a prefix -- then decode steps at every batch that gives a different split extent)
+Drives the Triton backend's ``forward_extend`` / ``forward_decode`` (upstream's K/V store, then
+their DCP branch, ``dcp_gqa_attention``) for one KVP rank (a chunked prefill of two requests -- an
+extend without and one with a prefix -- then decode steps at every batch that gives a different split extent)
 through the Triton backend's real code path, with the GPU's split policy (an SM count, so the
 per-request split counts and the batch-dependent split extent are what an H100 server launches),
 at the per-rank head counts of:
@@ -103,6 +104,7 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
 
     from sglang.srt import runtime_context
     from sglang.srt.layers.dcp import gqa_attention as attention
+    from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_name]
@@ -121,7 +123,8 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
         k_scale=None if scales is None else torch.tensor(scales[0]),
         v_scale=None if scales is None else torch.tensor(scales[1]),
         k_scale_float=None if scales is None else scales[0], v_scale_float=None if scales is None else scales[1],
-        logit_cap=0.0, sliding_window_size=-1,
+        logit_cap=0.0, sliding_window_size=-1, logit_capping_method="tanh", is_cross_attention=False,
+        attn_type=AttentionType.DECODER,
     )  # fmt: skip
     saved = (runtime_context._PARALLEL, attention.dcp_a2a_lse_reduce, attention.dcp_a2a_lse_reduce_packed)
     try:
@@ -139,17 +142,23 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
 def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode, pool, req_to_token, layer):
     import torch
 
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
     from sglang.srt.layers.dcp import gqa_attention as attention
     from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     class _Backend(TritonAttnBackend):
-        def __init__(self, pool, req_to_token):
+        def __init__(self, pool, req_to_token, state):
             self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
-            self.dcp_gqa_decode = None
+            self.dcp_gqa_decode = state  # the mode's decode state (what marks the mode)
             self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
             self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
+            self.dcp_size, self.dcp_rank, self.dcp_interleave_size = kvp, 0, CHUNK
+            # what forward_decode / forward_extend read before their DCP branch
+            self.use_dense_fp8_chunked_prefill = self.use_mla = self.is_draft_runner = False
+            self.allow_bidirectional_attention_in_extend = self.enable_deterministic = False
+            self.enable_lean_attention = False
+            self.forward_metadata = ForwardMetadata(*[None] * 13)
 
     g = torch.Generator().manual_seed(0)
 
@@ -161,7 +170,7 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
             forward_mode=ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE,
             req_pool_indices=sl, seq_lens=seq, seq_lens_cpu=seq,
             positions=torch.cat([torch.arange(p, n) for _, p, n in reqs]), spec_info=None,
-            out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
+            out_cache_loc_is_physical=False, mha_one_shot=False, out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
             extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
             extend_seq_lens=seq - prefix, extend_seq_lens_cpu=(seq - prefix).tolist(),
         )  # fmt: skip
@@ -171,10 +180,9 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
         q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
         k = torch.randn(T, KVH, D, generator=g).to(torch.bfloat16)
         v = torch.randn(T, KVH, D, generator=g).to(torch.bfloat16)
-        backend = _Backend(pool, req_to_token)
+        backend = _Backend(pool, req_to_token, state)
         fb = batch_of(mode, reqs)
         if mode == "decode":
-            backend.dcp_gqa_decode = state
             state.prepare_eager(fb)
         # what the Triton backend's init_forward_metadata builds (None for a decode: the state's)
         backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(fb, req_to_token, triton=True)
@@ -183,14 +191,16 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
 
             arch = f" sm{ea.CUDA_CAPABILITY[0]}0" if mode == "extend" and ea._is_cuda else ""
             recorder.context = f"triton_shapes {name} kv={kv_name} kvp={kvp} {mode} T={T}{arch}"
-        attention.dcp_gqa_attention(layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), fb, backend)
+        # the layer's self.attn: the backend's forward (upstream's K/V store, then its DCP branch)
+        forward = backend.forward_extend if mode == "extend" else backend.forward_decode
+        forward(q.reshape(T, -1), k, v, layer, fb)
 
     ctx = CHUNK * kvp + 5  # every rank owns a chunk, rank 0 two
+    state = DcpGqaDecodeState(req_to_token, 0, kvp, CHUNK)
     for capability in EXTEND_CAPABILITIES if extend else ():
         with extend_configured_for(capability):  # a chunked prefill: the first chunk, then the rest
-            step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)])
-            step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)])
-    state = DcpGqaDecodeState(req_to_token, 0, kvp, CHUNK)
+            step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)], state)
+            step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)], state)
     for b in batches if decode else ():
         step("decode", [(s, ctx, ctx + 1) for s in range(b)], state)
 
