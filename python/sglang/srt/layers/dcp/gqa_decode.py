@@ -1,7 +1,7 @@
 """DCP's GQA-mode decode metadata and workspaces in persistent buffers: one implementation, eager and graph.
 
-Per forward batch: this rank's local KV lists ``kv_indptr [B+1]`` / ``kv_indices [capacity]`` (upstream DCP's list kernel at
-``interleave_size = chunk``). Per layer, reused by every layer: the stage-1 split buffers
+Per forward batch: this rank's local KV lists ``kv_indptr [B+1]`` / ``kv_indices [capacity]``
+(upstream DCP's list kernel at ``interleave_size = chunk``). Per layer, reused by every layer: the stage-1 split buffers
 ``[T, H, S, Dv]`` and the All-to-All ``send`` / ``recv`` ``[KVP, T, H/KVP, Dv + lpd]`` that stage 2
 writes straight into (``H = Q/TPA``, ``S`` = ``KVSplitPolicy.grid_splits``). ``fill``'s shapes come
 only from the batch's tensor shapes, so the same code runs eagerly (``prepare_eager``: buffers grown
