@@ -108,6 +108,17 @@ def test_torch_compile_is_eager_in_the_default_tier_only():
     assert cpu_server_env(4, base={"TORCHDYNAMO_DISABLE": "0"})["TORCHDYNAMO_DISABLE"] == "0"
 
 
+def test_server_stop_skips_the_gpu_crash_diagnostics():
+    """SIGTERM makes the server sleep 5 s before py-spy / CUDA coredump steps (both on upstream):
+    every test server's stop paid it. The harness turns both off; a caller's own value is kept."""
+    from sglang_helix.testing.cpu_env import cpu_server_env
+
+    env = cpu_server_env(4, base={})
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "0"
+    assert env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert cpu_server_env(4, base={"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+
+
 def test_free_port_avoids_the_ephemeral_and_sglang_ranges():
     from sglang_helix.testing import server
 

@@ -48,5 +48,10 @@ def cpu_server_env(
     # HELIX_TEST_FULL=1 keeps upstream's compiled path. A caller's own TORCHDYNAMO_DISABLE wins.
     if env.get("HELIX_TEST_FULL") != "1":
         env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    # On SIGTERM the server sleeps 5 s "to let GPU activity settle" before py-spy / CUDA coredump
+    # diagnostics (tokenizer_manager.py, both on by default): on the CPU there is no GPU activity
+    # and no coredump, and every test server's stop paid the 5 s.
+    env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+    env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
     env["PYTHONUNBUFFERED"] = "1"
     return env
