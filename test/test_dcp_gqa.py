@@ -216,7 +216,8 @@ def _merge(outs, lses):
 @pytest.mark.parametrize("dcp", [2, 4])
 @pytest.mark.parametrize("decode", [False, True])
 def test_torch_attention_shards_merge_to_full_attention(interleave, dcp, decode):
-    from sglang.srt.layers.dcp.torch_attention import dcp_owned_kv, partial_attention
+    from sglang.srt.layers.dcp.layout import localize_dcp_indices
+    from sglang.srt.layers.dcp.torch_attention import partial_attention
 
     g = torch.Generator().manual_seed(dcp * 10 + interleave)
     H, Hk, D, S = 8, 2, 16, 37
@@ -230,7 +231,8 @@ def test_torch_attention_shards_merge_to_full_attention(interleave, dcp, decode)
     scale = D**-0.5
     outs, lses, stored = [], [], 0
     for rank in range(dcp):
-        rows, key_pos = dcp_owned_kv(locs, dcp, rank, interleave)
+        local = localize_dcp_indices(locs, dcp, rank, interleave)  # the rank's rows, -1: not owned
+        rows, key_pos = local[local >= 0], torch.arange(S)[local >= 0]
         stored += rows.numel()
         # the rank's pool holds its keys at their rows
         pool_k = torch.zeros(int(rows.max()) + 1, Hk, D, dtype=torch.float64)

@@ -37,6 +37,7 @@ if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
 from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.layers.attention import torch_native_backend  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
@@ -80,9 +81,17 @@ class _TritonBackend(TritonAttnBackend):
 
 
 class _TorchNativeBackend(TorchNativeAttnBackend):
+    """The fields of the backend that its DCP path reads (TorchNativeAttnBackend.__init__ sets them
+    from the parallel state): replicated Q, so the layer holds the group's heads."""
+
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token_pool = pool, SimpleNamespace(req_to_token=req_to_token)
-        self.dcp_gqa, self.dcp_gqa_metadata = True, None
+        self.dcp_metadata = self.draft_decode_metadata = None
+        self.use_sliding_window_kv_pool, self.dcp_num_heads = False, H
+
+    dcp_size = property(lambda self: runtime_context.get_parallel().attn_dcp_size)
+    dcp_rank = property(lambda self: runtime_context.get_parallel().attn_dcp_rank)
+    dcp_interleave_size = property(lambda self: runtime_context.get_parallel().dcp_interleave_size)
 
 
 BACKENDS = {"triton": _TritonBackend, "torch_native": _TorchNativeBackend}
@@ -99,16 +108,18 @@ def attend(backend, layer, q, k, v, batch):
 
 
 def init_forward_metadata(backend, batch):
-    """What the backends' ``init_forward_metadata`` does in DCP's GQA mode: this forward's lists."""
-    triton = isinstance(backend, TritonAttnBackend)
-    table = backend.req_to_token if triton else backend.req_to_token_pool.req_to_token
-    backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(batch, table, triton)
+    """This forward's lists: torch_native's own ``init_forward_metadata``; what Triton's does in
+    DCP's GQA mode for an extend (its decode lists come from the decode state's hooks)."""
+    if isinstance(backend, TritonAttnBackend):
+        backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(batch, backend.req_to_token)
+    else:
+        backend.init_forward_metadata(batch)
 
 
 def _layer(scales):
     k_scale, v_scale = scales or (None, None)
     return SimpleNamespace(
-        layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
+        layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, tp_v_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
         k_scale=None if scales is None else torch.tensor(k_scale),
         v_scale=None if scales is None else torch.tensor(v_scale),
         k_scale_float=k_scale, v_scale_float=v_scale, logit_cap=0.0, sliding_window_size=-1,
@@ -185,7 +196,8 @@ def capture_partials(monkeypatch) -> list:
     """Replace the All-to-All + merge: every call appends its rank's ``(out [T, H, D], lse [T, H])``
     to the returned list (a Triton decode's from the send layout) and returns ``out``."""
     partials = []
-    monkeypatch.setattr(attention, "dcp_a2a_lse_reduce", lambda out, lse, group: partials.append((out, lse)) or out)
+    for module in (attention, torch_native_backend):  # Triton's DCP branch; torch_native's DCP path
+        monkeypatch.setattr(module, "dcp_a2a_lse_reduce", lambda out, lse, group: partials.append((out, lse)) or out)
 
     def merge_packed(send, recv, T, group):  # a Triton decode: partials in the send layout
         out, lse = send_views(send, D)  # [KVP, T, H/KVP, D], [KVP, T, H/KVP]
@@ -227,7 +239,8 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache, extend_as):
         partials.clear()
         for kvp_rank in range(KVP):
             parallel = SimpleNamespace(
-                attn_dcp_rank=kvp_rank, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None
+                attn_dcp_rank=kvp_rank, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None,
+                dcp_comm_backend="a2a",
             )
             backend = BACKENDS[backend_name](pools[kvp_rank], req_to_token)
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)

@@ -72,7 +72,7 @@ def _lens(indptr: torch.Tensor) -> list:
 
 def triton_pairs(reqs, kvp_rank: int, kvp: int, pool: torch.Tensor) -> int:
     fb = _forward_batch(reqs, pool)
-    meta = DcpGqaForwardMetadata(kvp_rank, kvp, CHUNK, True, None, None)
+    meta = DcpGqaForwardMetadata(kvp_rank, kvp, CHUNK)
     x = TritonExtendLists.build(fb, meta, pool)
     prefix = sum(e * n for e, n in zip(x.extend_lens_cpu, _lens(x.prefix_kv_indptr)))
     earlier = sum(e * n for e, n in zip(x.seg_lens_cpu, _lens(x.seg_kv_indptr)))
@@ -145,7 +145,7 @@ def test_segments_tile_the_new_tokens_and_the_lists_hold_only_owned_keys(kvp):
         assert st // CHUNK == (st + ln - 1) // CHUNK  # one ownership chunk each
     for r in range(kvp):
         fb = _forward_batch(reqs, pool)
-        x = TritonExtendLists.build(fb, DcpGqaForwardMetadata(r, kvp, CHUNK, True, None, None), pool)
+        x = TritonExtendLists.build(fb, DcpGqaForwardMetadata(r, kvp, CHUNK), pool)
         indptr = x.seg_kv_indptr.tolist()
         for s, (b, st) in enumerate(zip(request, start)):
             slot, prefix, _ = reqs[b]

@@ -10,7 +10,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR
 if STUB_DIR not in sys.path:
     sys.path.insert(0, STUB_DIR)
 
-from sglang.srt.layers.dcp.gqa_attention import _read_rows, _run_starts  # noqa: E402
+from sglang.srt.layers.dcp.torch_attention import _read_rows, _run_starts  # noqa: E402
 
 
 def test_run_starts_only_for_exact_ascending_runs():

@@ -140,7 +140,7 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
         v = torch.randn(T, KVH, D, generator=g)
         partials.clear()
         for r in range(KVP):
-            parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
+            parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="a2a")
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = batches[r][0]
             init_forward_metadata(backends[r], batch)
@@ -217,7 +217,7 @@ def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials):
     partials.clear()
     T = q.shape[0]
     for r, backend in enumerate(backends):
-        parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None)
+        parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="a2a")
         monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
         init_forward_metadata(backend, batch_of(r))
         attend(backend, layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r))
@@ -279,7 +279,9 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
         forward_mode=ForwardMode.DECODE, spec_info=SPEC, seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=slots,
         out_cache_loc=None,
     )  # fmt: skip
-    for m in multi if not triton else ():  # once per draft round, before its steps (as the draft worker does)
+    for r, m in enumerate(multi if not triton else ()):  # once per draft round, before its steps (as the draft worker does)
+        parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="a2a")
+        monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
         m.init_forward_metadata(round_batch)
     for step in range(STEPS_T - 1):
         loc = req_to_token[slots[req_of], start + step].long()
@@ -334,3 +336,24 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
         kb, vb = _owned_kv(pools, locs.long())
         ref = torch.einsum("hl,lhd->hd", (torch.einsum("hd,lhd->hl", q[t].double(), kb) * D**-0.5).softmax(-1), vb)
         torch.testing.assert_close(out[t].double(), ref, atol=1e-5, rtol=0, msg=lambda m: f"tree verify token {t}: {m}")
+
+
+def test_torch_native_dcp_refuses_speculation_with_q_gathered(monkeypatch):
+    """torch_native's DCP path serves speculation with replicated Q (the GQA mode, above); with Q
+    gathered (``--dcp-size`` alone: the layer holds Q/tp of the group's heads) a verify, a draft
+    extend and a draft step are refused by name, as before the mode shared the path."""
+    req_to_token, pools = paged_table_and_pools(torch.float32)
+    layer = _layer(None)
+    parallel = SimpleNamespace(attn_dcp_rank=0, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="ag_rs")
+    monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
+    for mode in ("verify", "draft_extend", "draft"):
+        backend = BACKENDS["torch_native"](pools[0], req_to_token)
+        backend.dcp_num_heads = H * KVP  # the group's heads: this layer's Q is gathered
+        batch, spans = _batch(mode, [(0, 7, 0)], req_to_token)
+        if mode == "draft":
+            ends = batch.seq_lens + 1
+            backend.draft_decode_metadata = (req_to_token, batch.req_pool_indices, ends, ends.clone())
+        backend.init_forward_metadata(batch)
+        T = sum(b - a for _, a, b in spans)
+        with pytest.raises(NotImplementedError, match="replicated Q only"):
+            backend._forward_dcp(torch.zeros(T, H * D), torch.zeros(T, KVH * D), torch.zeros(T, KVH * D), layer, batch, True)

@@ -540,7 +540,7 @@ _TRITON_BACKEND = "[DCP] Triton backend: decode lists in persistent buffers, CUD
 NEW_MODULE_PATCHES = {
     "sglang/srt/layers/dcp/torch_attention.py": "[DCP] torch_native: decode context parallelism",
     "sglang/srt/arg_groups/helix_hook.py": _SERVER_ARGS,
-    "sglang/srt/layers/dcp/gqa_layout.py": _TRITON_BACKEND,
+    "sglang/srt/layers/dcp/gqa_layout.py": "[DCP] torch_native: decode context parallelism",
     "sglang/srt/layers/dcp/gqa_decode.py": _TRITON_BACKEND,
     "sglang/srt/layers/dcp/gqa_attention.py": "[DCP] Attention backends: the GQA mode's attention in Triton and torch_native",
     "sglang/srt/layers/dcp/gqa_kv_move.py": "[DCP] KV cache: move_kv_cache moves a logical id's K/V to its target's owner",

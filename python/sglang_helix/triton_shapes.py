@@ -185,7 +185,7 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
         if mode == "decode":
             state.prepare_eager(fb)
         # what the Triton backend's init_forward_metadata builds (None for a decode: the state's)
-        backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(fb, req_to_token, triton=True)
+        backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(fb, req_to_token)
         if recorder is not None:
             from sglang.kernels.ops.attention import extend_attention as ea
 

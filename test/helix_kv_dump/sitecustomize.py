@@ -1,9 +1,9 @@
 """Per-rank K/V dumps for test/test_helix_kv_consistency.py.
 
-On PYTHONPATH of a CPU server with HELIX_KV_DUMP_DIR set, this wraps
+On PYTHONPATH of a CPU server with HELIX_KV_DUMP_DIR set, this wraps the Triton GQA mode's
 ``sglang.srt.layers.dcp.gqa_attention.dcp_gqa_attention`` when sglang imports it (before an attention
-backend binds the name), and upstream's DCP on torch_native (``TorchNativeAttnBackend._forward_dcp``): after each layer's call, which has written the batch's K/V, every rank
-(over)writes ``layer{L}_slot{S}_tp{R}.pt`` for every request of the batch: the global positions in
+backend binds the name), and torch_native's DCP path (``TorchNativeAttnBackend._forward_dcp``): after
+each layer's call, which has written the batch's K/V, every rank (over)writes ``layer{L}_slot{S}_tp{R}.pt`` for every request of the batch: the global positions in
 ``[0, seq_len)`` it owns and their K/V rows read back from its pool (``[n, K/TPA, D]``), with its
 place in the KVP x TPA grid. Host syncs and file I/O on every layer: a test fixture, not a server
 feature. Every process without HELIX_KV_DUMP_DIR is untouched.
@@ -18,13 +18,16 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
     DUMP_DIR = os.environ["HELIX_KV_DUMP_DIR"]
     TARGET = "sglang.srt.layers.dcp.gqa_attention"
 
-    def dump(attention, layer, forward_batch, backend):
+    def dump(layer, forward_batch, backend):
         import torch
 
+        from sglang.srt.layers.dcp.torch_attention import dcp_torch_metadata
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
-        meta = attention.dcp_gqa_forward_metadata(forward_batch, backend.req_to_token_pool.req_to_token, triton=False)  # the host-built lists
+        kvp_rank, kvp_size, chunk = parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size
+        table = backend.req_to_token_pool.req_to_token
+        meta = dcp_torch_metadata(forward_batch, table, kvp_size, kvp_rank, chunk)  # the host-built lists
         kv_pool = backend.token_to_kv_pool
         positions = meta.kv_positions
         k_buf = kv_pool.get_key_buffer(layer.layer_id)
@@ -35,8 +38,8 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
             rows = meta.kv_indices[indptr[b] : indptr[b + 1]]
             record = {
                 "layer_id": layer.layer_id, "slot": slot, "seq_len": int(seq_len),
-                "tp_rank": parallel.tp_rank, "kvp_rank": meta.kvp_rank, "kvp_size": meta.kvp_size,
-                "tpa_rank": parallel.tp_rank // parallel.attn_dcp_size, "chunk": meta.chunk,
+                "tp_rank": parallel.tp_rank, "kvp_rank": kvp_rank, "kvp_size": kvp_size,
+                "tpa_rank": parallel.tp_rank // parallel.attn_dcp_size, "chunk": chunk,
                 "positions": positions[indptr[b] : indptr[b + 1]].cpu(),
                 "k": k_buf[rows].float().cpu(), "v": v_buf[rows].float().cpu(),
             }  # fmt: skip
@@ -47,25 +50,22 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
     def patch(attention):
         orig = attention.dcp_gqa_attention
 
-        def dcp_gqa_attention(layer, q, k, v, forward_batch, backend, save_kv_cache=True):
-            out = orig(layer, q, k, v, forward_batch, backend, save_kv_cache)
-            dump(attention, layer, forward_batch, backend)
+        def dcp_gqa_attention(layer, q, k, v, forward_batch, backend):
+            out = orig(layer, q, k, v, forward_batch, backend)
+            dump(layer, forward_batch, backend)
             return out
 
         attention.dcp_gqa_attention = dcp_gqa_attention
 
     def patch_torch_native(module):
-        """Upstream's own DCP (Q gathered, interleave 1) on torch_native: the same dump after its
-        write (the layout functions are DCP's, so the Helix lists describe it too)."""
+        """torch_native's DCP path (every DCP layout, the GQA mode's too): the same dump after its
+        write."""
         cls = module.TorchNativeAttnBackend
         orig = cls._forward_dcp
 
         def _forward_dcp(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             out = orig(self, q, k, v, layer, forward_batch, save_kv_cache)
-            if not self.dcp_gqa:  # the GQA mode's own call is dumped by the wrapper above
-                import sglang.srt.layers.dcp.gqa_attention as attention
-
-                dump(attention, layer, forward_batch, self)
+            dump(layer, forward_batch, self)
             return out
 
         cls._forward_dcp = _forward_dcp

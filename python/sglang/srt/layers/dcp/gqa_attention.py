@@ -1,24 +1,24 @@
-"""DCP's GQA mode (Helix, arXiv 2507.07120): one layer's attention, called by the backends' forward:
+"""DCP's GQA mode (Helix, arXiv 2507.07120) on Triton: one layer's attention, from the backend's DCP
+branches (torch_native's DCP path, ``torch_attention.py``, serves every DCP layout itself):
 
     q [T, Q/TPA, D], k/v [T, K/TPA, D]                    (qkv_proj over TPA, replicated over KVP)
-      -> write K/V of the tokens this rank owns           (Triton: the backend's, before its DCP branch)
+      -> K/V of the tokens this rank owns stored          (the backend's _set_kv_buffer, before)
       -> partial attention over this rank's KV shard      (out [T, Q/TPA, D], lse [T, Q/TPA])
       -> ONE All-to-All over the DCP group + LSE merge    (exact attention [T, Q/N, D])
       -> [T, Q/N * D] for o_proj (TP over all N ranks)
 
 A query at position p attends to the keys this rank owns at positions <= p (none: output 0, LSE
--inf). torch_native: DCP's torch partial attention per request. Triton: decode is upstream's
-two-stage kernel with the merged-LSE output over the local KV list; extend is upstream's extend
-kernel with ``lse_extend`` in three calls over the owned keys (the owned prefix; each chunk segment
-over the owned new tokens before it; each segment causally over itself), so every rank does ~1/KVP
-of the prefill. A speculative target verify is a causal extend of the drafts over the committed
-prefix; a draft decode step attends up to its own position (``kv_ends_of``; on Triton its lists are
-sized on the host by ``draft_kv_ends``, no device read; in a CUDA graph, for the largest step). A
-Triton decode reads the lists the backend's hooks filled (``gqa_decode.py``); every other forward's
-are built once per batch by the backend's ``init_forward_metadata`` (``dcp_gqa_forward_metadata``)
-into its ``dcp_gqa_metadata``, which the layers only read -- except a speculative draft step's,
-whose writes are bound only when the step runs: its first layer builds them
-(docs/helix-design.md, 3-4).
+-inf). Decode is upstream's two-stage kernel with the merged-LSE output over the local KV list;
+extend is upstream's extend kernel with ``lse_extend`` in three calls over the owned keys (the
+owned prefix; each chunk segment over the owned new tokens before it; each segment causally over
+itself), so every rank does ~1/KVP of the prefill. A speculative target verify is a causal extend
+of the drafts over the committed prefix; a draft decode step attends up to its own position (its
+lists sized on the host by ``draft_kv_ends``, no device read; in a CUDA graph, for the largest
+step). A decode reads the lists the backend's hooks filled (``gqa_decode.py``); every other
+forward's are built once per batch by the backend's ``init_forward_metadata``
+(``dcp_gqa_forward_metadata``) into its ``dcp_gqa_metadata``, which the layers only read -- except
+a speculative draft step's, whose writes are bound only when the step runs: its first layer builds
+them (docs/helix-design.md, 3-4).
 
 The ranks: N = KVP x TPA form the TP group, ``tp_rank = tpa_rank * KVP + kvp_rank``; the KVP group
 is DCP's group (``dcp_group_ranks``), its layout DCP's with ``interleave_size = chunk``
@@ -44,145 +44,44 @@ from sglang.srt.layers.dcp.gqa_decode import (
     send_views,
 )
 from sglang.srt.layers.dcp.layout import localize_dcp_indices
-from sglang.srt.layers.dcp.torch_attention import partial_attention
+from sglang.srt.layers.dcp.torch_attention import kv_scales, tree_mask_of
 from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_tokens
 
 
 @dataclass
 class DcpGqaForwardMetadata:
-    """One forward's lists (every forward but a Triton decode, whose lists are the decode state's,
+    """One Triton forward's lists (every forward but a decode, whose lists are the decode state's,
     ``gqa_decode.py``): built once per batch by the backend's ``init_forward_metadata``
     (``dcp_gqa_forward_metadata``), only read by the layers."""
 
     kvp_rank: int
     kvp_size: int
     chunk: int
-    triton: bool
-    # torch_native: the K/V store's (owned token indices, their rows); Triton stores through the
-    # backend's _set_kv_buffer (DCP's masked store at the interleave)
-    store: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-    # torch_native: the local KV list of positions [0, seq_len) (new tokens included), its indptr
-    # on the host, and per request the first row of its list when the list is one ascending run of
-    # rows (r0, r0 + 1, ...), else None: then the layers read a view, no gather
-    kv_indptr: Optional[torch.Tensor] = None  # [B+1]
-    kv_indices: Optional[torch.Tensor] = None  # [L]
-    kv_positions: Optional[torch.Tensor] = (
-        None  # [L] global positions of the listed keys
-    )
-    kv_indptr_host: Optional[list] = None
-    kv_run_starts: Optional[list] = None
-    tree_visible: Optional[list] = (
-        None  # a tree verify: per request [n, l], the owned keys' mask
-    )
-    # triton: the owned-key lists of the extend's three calls (TritonExtendLists), or of a tree
+    # the owned-key lists of the extend's three calls (TritonExtendLists), or of a tree
     # verify's two (_tree_verify_lists)
     extend_lists: Optional[object] = None
 
 
 def dcp_gqa_forward_metadata(
-    forward_batch, req_to_token: torch.Tensor, triton: bool, draft_rows=None
+    forward_batch, req_to_token: torch.Tensor
 ) -> Optional[DcpGqaForwardMetadata]:
-    """This forward's metadata, for the backend's ``init_forward_metadata``; ``req_to_token [R,
-    max_context]`` the backend's table. None for an idle batch and for a decode whose lists come
-    from elsewhere: a Triton decode's are the decode state's, and a speculative draft step's writes
-    are bound only when the step runs, so its first layer builds them (``_decode_step_metadata``;
-    torch_native: from ``draft_rows``, the draft backend's ``(table, slots, kv_ends, kv_ends_cpu)``,
-    a row per draft token with tree branches moved up to seq_len)."""
+    """This forward's metadata, for the Triton backend's ``init_forward_metadata``; ``req_to_token
+    [R, max_context]`` the backend's table. None for an idle batch and for a decode, whose lists
+    are the decode state's (a speculative draft step's writes are bound only when the step runs,
+    so its first layer builds them: ``_decode_step_metadata``)."""
     mode = forward_batch.forward_mode
-    if forward_batch.out_cache_loc is None or mode.is_idle():
+    if forward_batch.out_cache_loc is None or mode.is_idle() or mode.is_decode():
         return None
-    if mode.is_decode() and draft_rows is None:
-        if triton or forward_batch.spec_info is not None:
-            return None
     parallel = get_parallel()
-    k, n, c = (
-        parallel.attn_dcp_rank,
-        parallel.attn_dcp_size,
-        parallel.dcp_interleave_size,
+    meta = DcpGqaForwardMetadata(
+        parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size
     )
-    if triton:
-        meta = DcpGqaForwardMetadata(k, n, c, True)
-        tree = tree_mask_of(forward_batch)
-        if tree is not None:
-            meta.extend_lists = _tree_verify_lists(
-                forward_batch, meta, req_to_token, tree
-            )
-        else:
-            meta.extend_lists = TritonExtendLists.build(
-                forward_batch, meta, req_to_token
-            )
-        return meta
-    rows = gqa_layout.write_rows(
-        forward_batch.out_cache_loc, k, n, c
-    )  # [T], -1: not owned
-    owned = (rows >= 0).nonzero().squeeze(1)  # (owned token indices, their rows)
-    meta = DcpGqaForwardMetadata(k, n, c, False, (owned, rows[owned]))
-    if draft_rows is not None:
-        pool, slots, kv_ends, kv_ends_cpu = draft_rows
-    else:
-        pool, slots = req_to_token, forward_batch.req_pool_indices
-        kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
-    total = gqa_layout.total_local_len(kv_ends_cpu, k, n, c)
-    meta.kv_indptr, meta.kv_indices, meta.kv_positions = gqa_layout.local_kv_indices(
-        pool, slots, kv_ends, total, k, n, c
-    )
-    meta.kv_indptr_host = (
-        meta.kv_indptr.tolist()
-    )  # (the CPU path: host values are free)
-    meta.kv_run_starts = _run_starts(meta.kv_indices, meta.kv_indptr_host)
     tree = tree_mask_of(forward_batch)
-    if tree is not None:  # the mask's columns of the owned keys
-        mask, offsets = tree
-        nd, seq = forward_batch.spec_info.draft_token_num, forward_batch.seq_lens_cpu
-        indptr = meta.kv_indptr_host
-        meta.tree_visible = [
-            mask[offsets[b] : offsets[b] + nd * (int(seq[b]) + nd)]
-            .view(nd, -1)[:, meta.kv_positions[indptr[b] : indptr[b + 1]]]
-            .bool()
-            for b in range(len(indptr) - 1)
-        ]
+    if tree is not None:
+        meta.extend_lists = _tree_verify_lists(forward_batch, meta, req_to_token, tree)
+    else:
+        meta.extend_lists = TritonExtendLists.build(forward_batch, meta, req_to_token)
     return meta
-
-
-def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
-    """``([B] tensor, host list)``: the end of each request's attended positions ``[0, end)``, new
-    tokens included: ``seq_lens``; a target verify adds its ``draft_token_num`` drafts. (A draft
-    decode step's ends come with its rows: the torch_native draft backend's ``draft_decode_metadata``,
-    on Triton ``draft_kv_ends``.)"""
-    if forward_batch.forward_mode.is_target_verify():
-        drafts = forward_batch.spec_info.draft_token_num
-        return forward_batch.seq_lens + drafts, [
-            int(x) + drafts for x in forward_batch.seq_lens_cpu
-        ]
-    return forward_batch.seq_lens, forward_batch.seq_lens_cpu
-
-
-def tree_mask_of(forward_batch) -> Optional[Tuple[torch.Tensor, list]]:
-    """A tree verify's (top-k > 1) ``custom_mask`` in the FULL_MASK layout -- per request ``[n,
-    seq_len + n]`` flattened, back to back -- and each request's offset in it (host), else None.
-    """
-    spec = forward_batch.spec_info
-    if (
-        not forward_batch.forward_mode.is_target_verify()
-        or getattr(spec, "tree_topk", 1) == 1
-    ):
-        return None
-    n, offsets, at = spec.draft_token_num, [], 0
-    for seq_len in forward_batch.seq_lens_cpu:
-        offsets.append(at)
-        at += n * (int(seq_len) + n)
-    return spec.custom_mask, offsets
-
-
-def query_lens_of(forward_batch, batch_size: int) -> list:
-    """Host ``[B]`` new tokens per request: 1 (decode), ``draft_token_num`` (target verify), or
-    the extend's lengths."""
-    mode = forward_batch.forward_mode
-    if mode.is_decode():
-        return [1] * batch_size
-    if mode.is_target_verify():
-        return [forward_batch.spec_info.draft_token_num] * batch_size
-    return forward_batch.extend_seq_lens_cpu
 
 
 def draft_kv_ends(
@@ -295,19 +194,16 @@ class TritonExtendLists:
         )
 
 
-def dcp_gqa_attention(
-    layer, q, k, v, forward_batch, backend, save_kv_cache: bool = True
-) -> torch.Tensor:
+def dcp_gqa_attention(layer, q, k, v, forward_batch, backend) -> torch.Tensor:
     """Exact attention of this rank's ``Q/N`` heads, ``[T, Q/N * Dv]`` for ``o_proj``, from the
-    DCP branch of the Triton or torch_native backend in DCP's GQA mode (Triton's forward stored
-    the K/V before, ``save_kv_cache=False``); ``layer`` has the TPA-local head counts.
+    Triton backend's DCP branches in DCP's GQA mode (the forward stored the K/V before);
+    ``layer`` has the TPA-local head counts.
     """
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
-    kv_pool = backend.token_to_kv_pool
     mode = forward_batch.forward_mode
     meta = backend.dcp_gqa_metadata  # built by init_forward_metadata
-    if meta is None and mode.is_decode():  # a Triton decode, a draft step
+    if meta is None and mode.is_decode():  # a decode, a draft step
         meta = _decode_step_metadata(forward_batch, backend, q.shape[0])
     elif meta is None:
         raise RuntimeError(
@@ -317,47 +213,23 @@ def dcp_gqa_attention(
     if k is not None:
         k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
         v = v.reshape(-1, num_kv_heads, layer.v_head_dim)
-    if save_kv_cache and k is not None:
-        _write_owned(layer, kv_pool, meta, k, v)
 
     # One All-to-All of the partials over the DCP group + the LSE combine: [T, Q/N, Dv]
     group = get_parallel().dcp_group
     if isinstance(meta, DcpGqaDecodeMetadata):
-        send, recv = _triton_decode(
-            layer, q, meta, backend
-        )  # send already holds the partials
+        send, recv = _triton_decode(layer, q, meta, backend)  # send holds the partials
         merged = dcp_a2a_lse_reduce_packed(send, recv, q.shape[0], group)
     else:
-        if meta.triton:
-            out, lse = _triton_extend(layer, q, k, v, forward_batch, meta, backend)
-        else:
-            out, lse = _torch_partial(layer, q, forward_batch, meta, kv_pool)
+        out, lse = _triton_extend(layer, q, k, v, forward_batch, meta, backend)
         merged = dcp_a2a_lse_reduce(out, lse, group)
     return merged.reshape(merged.shape[0], -1)
-
-
-def _write_owned(layer, kv_pool, meta: DcpGqaForwardMetadata, k, v) -> None:
-    """torch_native: store the K/V of the tokens this rank owns at their rows (``meta.store``; the
-    owned rows are copies, so the K/V in hand keep their values)."""
-    owned, owned_rows = meta.store  # (owned token indices, their rows)
-    kv_pool.set_kv_buffer(
-        layer, owned_rows, k[owned], v[owned], layer.k_scale, layer.v_scale
-    )
 
 
 def _decode_step_metadata(forward_batch, backend, num_tokens: int):
     """A decode's lists that ``init_forward_metadata`` did not build: a speculative draft step's
     (each step has its own backend), built here once, by the step's first layer, up to its
-    position -- on Triton into the decode state's buffers (in a CUDA graph: device ends only, into
-    the graph buffers) -- or a Triton decode's, which the backend's hooks filled."""
-    draft_rows = getattr(
-        backend, "draft_decode_metadata", None
-    )  # torch_native's draft step
-    if draft_rows is not None:
-        backend.dcp_gqa_metadata = dcp_gqa_forward_metadata(
-            forward_batch, draft_rows[0], False, draft_rows
-        )
-        return backend.dcp_gqa_metadata
+    position, into the decode state's buffers (in a CUDA graph: device ends only, into the graph
+    buffers); or a decode's, which the backend's hooks filled."""
     state = backend.dcp_gqa_decode
     if forward_batch.spec_info is not None:
         state.prepare_draft_step(
@@ -381,96 +253,9 @@ def _check_layer(layer) -> None:
         )
 
 
-def _torch_partial(layer, q, forward_batch, meta: DcpGqaForwardMetadata, kv_pool):
-    """Per request, DCP's torch partial attention (``dcp.torch_attention.partial_attention``: fp32,
-    grouped by KV head, causal by position except for a decode) over the keys this rank owns, read
-    as a view of the pool where they are one run of rows: ``out [T, H, Dv]``, ``lse [T, H]``.
-    """
-    _check_layer(layer)
-    k_buf = kv_pool.get_key_buffer(layer.layer_id)
-    v_buf = kv_pool.get_value_buffer(layer.layer_id)
-    k_descale, v_descale = _kv_scales(layer, kv_pool, q.dtype) or (1.0, 1.0)
-    T, H, _ = q.shape
-    out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
-    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    indptr = meta.kv_indptr_host
-    decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key
-    tree = meta.tree_visible  # a tree verify: per request, the owned keys' mask columns
-    start = 0
-    for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
-        lo, hi = indptr[b], indptr[b + 1]
-        tok = slice(start, start + q_len)
-        start += q_len
-        if hi == lo:
-            continue  # this rank owns none of the request's tokens: neutral partial
-        rows = meta.kv_indices[lo:hi]
-        run = meta.kv_run_starts[b]
-        if run is not None:  # the same rows in the same order: a view, no copy
-            rows = slice(run, run + hi - lo)
-        key_pos, query_pos, visible = meta.kv_positions[lo:hi], None, None
-        if (
-            tree is not None
-        ):  # request b's [n, l]: every prefix key, the tree keys by the mask
-            visible = tree[b]
-        elif not decode:
-            query_pos = forward_batch.positions[tok].long()
-        out[tok], lse[tok] = partial_attention(
-            q[tok],
-            _read_rows(k_buf, rows, k_descale),
-            _read_rows(v_buf, rows, v_descale),
-            layer.scaling,
-            query_pos,
-            key_pos,
-            visible,
-        )
-    return out, lse
-
-
-def _read_rows(buf: torch.Tensor, rows, descale: float) -> torch.Tensor:
-    """``buf[rows]`` in fp32, dequantized: one gather (plus one conversion for a non-fp32 pool),
-    no multiply when the scale is 1. ``rows`` a slice: a view of an fp32 pool, nothing copied.
-    """
-    out = buf[rows].float()
-    if descale == 1.0:
-        return out
-    return (
-        out * descale if isinstance(rows, slice) else out.mul_(descale)
-    )  # never scale the pool in place
-
-
-def _run_starts(kv_indices: torch.Tensor, indptr: list) -> list:
-    """Per request ``b``: ``r0`` when ``kv_indices[indptr[b]:indptr[b+1]]`` is exactly
-    ``r0, r0 + 1, ...`` (a fresh request's pages are usually consecutive), else None. One
-    comparison over the batch's lists, once per forward batch, instead of two gathers per layer.
-    """
-    out = []
-    for b in range(len(indptr) - 1):
-        lo, hi = indptr[b], indptr[b + 1]
-        rows = kv_indices[lo:hi]
-        r0 = int(rows[0]) if hi > lo else 0
-        ok = (
-            hi > lo
-            and int(rows[-1]) - r0 == hi - lo - 1
-            and bool((rows[1:] - rows[:-1] == 1).all())
-        )
-        out.append(r0 if ok else None)
-    return out
-
-
-def _kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, float]]:
-    """``(k_scale, v_scale)`` when the pool's write divides K/V of ``dtype`` by them (it converts:
-    an fp8 pool, as ``MHATokenToKVPool.set_kv_buffer``), else None; reads multiply them back.
-    """
-    if layer.k_scale is None or layer.v_scale is None or dtype == kv_pool.dtype:
-        return None
-    if layer.k_scale_float is not None:
-        return layer.k_scale_float, layer.v_scale_float
-    return float(layer.k_scale), float(layer.v_scale)
-
-
 def _kv_buffers(layer, backend, dtype: torch.dtype):
     pool = backend.token_to_kv_pool
-    k_descale, v_descale = _kv_scales(layer, pool, dtype) or (1.0, 1.0)
+    k_descale, v_descale = kv_scales(layer, pool, dtype) or (1.0, 1.0)
     return (
         pool.get_key_buffer(layer.layer_id),
         pool.get_value_buffer(layer.layer_id),

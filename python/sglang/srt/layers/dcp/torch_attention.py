@@ -1,51 +1,239 @@
-"""Decode context parallel (DCP) attention in plain torch: one rank's partial attention.
+"""Decode context parallel (DCP) attention in plain torch: the torch_native backend's DCP path.
 
 Under ``--dcp-size D`` a rank stores the K/V of the tokens it owns (``localize_dcp_indices``:
 runs of ``interleave_size`` logical KV ids dealt round-robin over the DCP ranks, kept compactly
 at ``local row``), so it attends over its own shard and returns a partial output with its
 log-sum-exp; the DCP exchange (``cp_lse_ag_out_rs_mha`` or ``dcp_a2a_lse_reduce``) merges the
-partials into exact attention. These are the torch pieces of that partial: the torch_native
-backend's DCP path runs them on every forward, and they are the reference the Triton kernels'
-DCP paths are tested against.
+partials into exact attention. These are the torch pieces of that partial, and the reference the
+Triton kernels' DCP paths are tested against:
 
-    dcp_owned_kv(locs [L], ...)             -> rows [l], positions [l]    the shard of one request
+    dcp_torch_metadata(forward_batch, req_to_token [R, C], ...)   once per batch, by the backend's
+        -> DcpTorchMetadata: the store's (owned tokens, rows), the local KV list    init_forward_metadata
+    dcp_partial_attention(layer, q [T, H, D], forward_batch, meta, kv_pool)
+        -> out [T, H, Dv], lse [T, H] fp32                        per layer, per request
     partial_attention(q [t, H, D], k [l, Hk, D], v [l, Hk, Dv], ...)
-                                            -> out [t, H, Dv], lse [t, H] fp32
+        -> out [t, H, Dv], lse [t, H] fp32
 
-A query sees the keys at positions <= its own (``query_pos``; ``None``: every key, a decode);
-a rank that owns none of them returns output 0 and LSE ``-inf``, which both exchanges treat as
-an empty partial.
+A query sees the keys at positions <= its own (a decode: every key; a speculative tree verify:
+the keys its mask shows); a rank that owns none of them returns output 0 and LSE ``-inf``, which
+both exchanges treat as an empty partial.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-from sglang.srt.layers.dcp.layout import localize_dcp_indices
+from sglang.srt.layers.dcp import gqa_layout
 
 # The most fp32 scores [Hk, g, t, l] held at once (128 MiB): queries go in blocks under it.
 _SCORE_ELEMS = 1 << 25
 
 
-def dcp_owned_kv(
-    locs: torch.Tensor,
+@dataclass
+class DcpTorchMetadata:
+    """One forward's DCP lists on torch_native, built once per batch (``dcp_torch_metadata``) and
+    only read by the layers."""
+
+    store: Tuple[
+        torch.Tensor, torch.Tensor
+    ]  # (owned token indices [t], their rows [t])
+    # the local KV list of positions [0, kv_end) (new tokens included): indptr [B+1], rows [L],
+    # their global positions [L]; the indptr on the host, and per request the first row of its
+    # list when the list is one ascending run of rows (r0, r0 + 1, ...), else None: then the
+    # layers read a view of the pool, no gather
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_positions: torch.Tensor
+    kv_indptr_host: list
+    kv_run_starts: list
+    tree_visible: Optional[list] = (
+        None  # a tree verify: per request [n, l], the owned keys' mask
+    )
+
+
+def dcp_torch_metadata(
+    forward_batch,
+    req_to_token: torch.Tensor,
     dcp_size: int,
     dcp_rank: int,
     interleave_size: int = 1,
-    start: int = 0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [l], positions [l])`` of the keys this rank owns among one request's logical KV
-    ids ``locs [L]`` at positions ``start, start + 1, ...``: their physical rows in this rank's
-    pool, and their positions (ascending)."""
-    local = localize_dcp_indices(
-        locs.to(torch.int64), dcp_size, dcp_rank, interleave_size
+    draft_rows=None,
+) -> Optional[DcpTorchMetadata]:
+    """This forward's lists, for the backend's ``init_forward_metadata``; ``req_to_token [R,
+    max_context]`` the backend's table. None for an idle batch and for a speculative draft decode
+    step, whose writes are bound only when the step runs: its first layer builds them from
+    ``draft_rows``, the draft backend's ``(table, slots, kv_ends, kv_ends_cpu)``, a row per draft
+    token with tree branches moved up to seq_len."""
+    mode = forward_batch.forward_mode
+    if forward_batch.out_cache_loc is None or mode.is_idle():
+        return None
+    if mode.is_decode() and forward_batch.spec_info is not None and draft_rows is None:
+        return None
+    n, k, c = dcp_size, dcp_rank, interleave_size
+    rows = gqa_layout.write_rows(
+        forward_batch.out_cache_loc, k, n, c
+    )  # [T], -1: not owned
+    owned = (rows >= 0).nonzero().squeeze(1)
+    if draft_rows is not None:
+        table, slots, kv_ends, kv_ends_cpu = draft_rows
+    else:
+        table, slots = req_to_token, forward_batch.req_pool_indices
+        kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
+    total = gqa_layout.total_local_len(kv_ends_cpu, k, n, c)
+    indptr, indices, positions = gqa_layout.local_kv_indices(
+        table, slots, kv_ends, total, k, n, c
     )
-    owned = local >= 0
-    positions = torch.arange(start, start + locs.shape[0], device=locs.device)
-    return local[owned], positions[owned]
+    indptr_host = indptr.tolist()  # (the CPU path: host values are free)
+    meta = DcpTorchMetadata(
+        (owned, rows[owned]),
+        indptr,
+        indices,
+        positions,
+        indptr_host,
+        _run_starts(indices, indptr_host),
+    )
+    tree = tree_mask_of(forward_batch)
+    if tree is not None:  # the mask's columns of the owned keys
+        mask, offsets = tree
+        nd, seq = forward_batch.spec_info.draft_token_num, forward_batch.seq_lens_cpu
+        meta.tree_visible = [
+            mask[offsets[b] : offsets[b] + nd * (int(seq[b]) + nd)]
+            .view(nd, -1)[:, positions[indptr_host[b] : indptr_host[b + 1]]]
+            .bool()
+            for b in range(len(indptr_host) - 1)
+        ]
+    return meta
+
+
+def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
+    """``([B] tensor, host list)``: the end of each request's attended positions ``[0, end)``, new
+    tokens included: ``seq_lens``; a target verify adds its ``draft_token_num`` drafts. (A draft
+    decode step's ends come with its rows: the torch_native draft backend's ``draft_decode_metadata``,
+    on Triton ``draft_kv_ends``.)"""
+    if forward_batch.forward_mode.is_target_verify():
+        drafts = forward_batch.spec_info.draft_token_num
+        return forward_batch.seq_lens + drafts, [
+            int(x) + drafts for x in forward_batch.seq_lens_cpu
+        ]
+    return forward_batch.seq_lens, forward_batch.seq_lens_cpu
+
+
+def tree_mask_of(forward_batch) -> Optional[Tuple[torch.Tensor, list]]:
+    """A tree verify's (top-k > 1) ``custom_mask`` in the FULL_MASK layout -- per request ``[n,
+    seq_len + n]`` flattened, back to back -- and each request's offset in it (host), else None.
+    """
+    spec = forward_batch.spec_info
+    if (
+        not forward_batch.forward_mode.is_target_verify()
+        or getattr(spec, "tree_topk", 1) == 1
+    ):
+        return None
+    n, offsets, at = spec.draft_token_num, [], 0
+    for seq_len in forward_batch.seq_lens_cpu:
+        offsets.append(at)
+        at += n * (int(seq_len) + n)
+    return spec.custom_mask, offsets
+
+
+def query_lens_of(forward_batch, batch_size: int) -> list:
+    """Host ``[B]`` new tokens per request: 1 (decode), ``draft_token_num`` (target verify), or
+    the extend's lengths."""
+    mode = forward_batch.forward_mode
+    if mode.is_decode():
+        return [1] * batch_size
+    if mode.is_target_verify():
+        return [forward_batch.spec_info.draft_token_num] * batch_size
+    return forward_batch.extend_seq_lens_cpu
+
+
+def dcp_partial_attention(
+    layer, q: torch.Tensor, forward_batch, meta: DcpTorchMetadata, kv_pool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per request, ``partial_attention`` of ``q [T, H, D]`` over the keys this rank owns
+    (``meta``'s list, read as a view of the pool where they are one run of rows; an fp8 pool's
+    scales multiplied back): ``out [T, H, Dv]``, ``lse [T, H]`` fp32."""
+    k_buf = kv_pool.get_key_buffer(layer.layer_id)
+    v_buf = kv_pool.get_value_buffer(layer.layer_id)
+    k_descale, v_descale = kv_scales(layer, kv_pool, q.dtype) or (1.0, 1.0)
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    indptr = meta.kv_indptr_host
+    decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key
+    tree = meta.tree_visible  # a tree verify: per request, the owned keys' mask columns
+    start = 0
+    for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
+        lo, hi = indptr[b], indptr[b + 1]
+        tok = slice(start, start + q_len)
+        start += q_len
+        if hi == lo:
+            continue  # this rank owns none of the request's tokens: neutral partial
+        rows = meta.kv_indices[lo:hi]
+        run = meta.kv_run_starts[b]
+        if run is not None:  # the same rows in the same order: a view, no copy
+            rows = slice(run, run + hi - lo)
+        key_pos, query_pos, visible = meta.kv_positions[lo:hi], None, None
+        if (
+            tree is not None
+        ):  # request b's [n, l]: every prefix key, the tree keys by the mask
+            visible = tree[b]
+        elif not decode:
+            query_pos = forward_batch.positions[tok].long()
+        out[tok], lse[tok] = partial_attention(
+            q[tok],
+            _read_rows(k_buf, rows, k_descale),
+            _read_rows(v_buf, rows, v_descale),
+            layer.scaling,
+            query_pos,
+            key_pos,
+            visible,
+        )
+    return out, lse
+
+
+def kv_scales(layer, kv_pool, dtype: torch.dtype) -> Optional[Tuple[float, float]]:
+    """``(k_scale, v_scale)`` when the pool's write divides K/V of ``dtype`` by them (it converts:
+    an fp8 pool, as ``MHATokenToKVPool.set_kv_buffer``), else None; reads multiply them back.
+    """
+    if layer.k_scale is None or layer.v_scale is None or dtype == kv_pool.dtype:
+        return None
+    if layer.k_scale_float is not None:
+        return layer.k_scale_float, layer.v_scale_float
+    return float(layer.k_scale), float(layer.v_scale)
+
+
+def _read_rows(buf: torch.Tensor, rows, descale: float) -> torch.Tensor:
+    """``buf[rows]`` in fp32, dequantized: one gather (plus one conversion for a non-fp32 pool),
+    no multiply when the scale is 1. ``rows`` a slice: a view of an fp32 pool, nothing copied.
+    """
+    out = buf[rows].float()
+    if descale == 1.0:
+        return out
+    # never scale the pool in place
+    return out * descale if isinstance(rows, slice) else out.mul_(descale)
+
+
+def _run_starts(kv_indices: torch.Tensor, indptr: list) -> list:
+    """Per request ``b``: ``r0`` when ``kv_indices[indptr[b]:indptr[b+1]]`` is exactly
+    ``r0, r0 + 1, ...`` (a fresh request's pages are usually consecutive), else None. One
+    comparison over the batch's lists, once per forward batch, instead of two gathers per layer.
+    """
+    out = []
+    for b in range(len(indptr) - 1):
+        lo, hi = indptr[b], indptr[b + 1]
+        rows = kv_indices[lo:hi]
+        r0 = int(rows[0]) if hi > lo else 0
+        ok = (
+            hi > lo
+            and int(rows[-1]) - r0 == hi - lo - 1
+            and bool((rows[1:] - rows[:-1] == 1).all())
+        )
+        out.append(r0 if ok else None)
+    return out
 
 
 def partial_attention(
