@@ -41,7 +41,10 @@ ran: the NGRAM server's ranks held ~4.6 GB each); PD 278 s (plain TP's reference
 passed; bfloat16 271 s, failed at BF16_ATOL 0.1 on a top-2 logprob (0.116 apart: one bfloat16 logit
 step), passed at BF16_ATOL 0.25 in 324 s (the same keys retrieved, plain TP bfloat16's tokens,
 chosen tokens' logprobs at most 0.055 apart). Every key retrieved in each, and the float32 cases
-within the 1e-4-nat tolerance of plain TP's logprobs. The STANDALONE tree: 258 s, passed (2026-11-27 16:02, nothing else running). Not run yet: ``--tp 9 --helix-kvp-size 3``, 8K, triton. The
+within the 1e-4-nat tolerance of plain TP's logprobs. The STANDALONE tree: 258 s, passed (2026-11-27 16:02, nothing else running). ``--tp 9
+--helix-kvp-size 3``: 303 s, passed; the 8K prompts: 349 s, passed (2026-11-27 18:29-18:39, their
+plain-TP references included, nothing else running). Not run: triton (a 30-layer model's extend
+under the Triton interpreter is estimated at well over an hour a server on 2 cores). The
 mutation check (one KV chunk dropped on one rank: this test and the random-model e2e test both
 fail): ``benchmark/results/retrieval-mutation.md``.
 """
