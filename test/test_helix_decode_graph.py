@@ -22,7 +22,7 @@ on the same batch bit for bit (the per-request split counts too), and float64 at
 whole context (what a plain-TP rank computes for those heads) within float32 rounding, over steps
 whose lengths change, with requests finishing and joining, at padded batch sizes.
 
-The step runs two layers (the first fills the batch's lists, the second reads them). The rows a
+The step runs two layers, both reading the lists and workspace the hooks built before them. The rows a
 step writes (its tokens' K/V, on the rank that owns each) hold NaN until that step: the attention
 reads them back, so a step that does not store its K/V fails, and after every replay each rank's
 pool equals its pool after eager on the same batch (the rows reset to NaN in between). The trace
@@ -89,12 +89,13 @@ KERNELS = {  # module, attribute: the kernel launches of a Helix decode step
 class _TritonBackend(TritonAttnBackend):
     """The fields of the Triton backend that Helix decode reads; its hooks are upstream's, patched."""
 
-    def __init__(self, pool, req_to_token, kvp_rank):
+    def __init__(self, pool, req_to_token, kvp_rank, draft_step=None, state=None):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
         # An H100's SM count: the per-request split policy runs (kv_split_policy).
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 132, None
-        self.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
-        self.dcp_gqa_metadata = None
+        self.dcp_gqa_decode = state or DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
+        self.dcp_gqa_metadata, self.dcp_draft_step = None, draft_step
+        self.num_kv_head, self.dcp_gqa_dtype = KVH, torch.float32  # the workspace's heads and dtype
         self.dcp_size, self.dcp_rank, self.dcp_interleave_size = KVP, kvp_rank, CHUNK  # _set_kv_buffer's
         # What forward_decode reads before its DCP branch; the GQA mode's forward_metadata holds none
         self.use_mla = self.enable_deterministic = self.enable_lean_attention = False
@@ -383,7 +384,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
     for backend in backends:  # the runner's call: the hook allocates the mode's graph buffers
         TritonAttnBackend.init_cuda_graph_state(backend, max_bs, max_bs)
         graph = backend.dcp_gqa_decode.graph
-        assert graph is not None and backend.cuda_graph_kv_indices is graph.kv_indices  # 1/KVP of upstream's rows
+        assert graph is not None and backend.cuda_graph_kv_indices.data_ptr() == graph.kv_indices.data_ptr()  # 1/KVP of upstream's rows
         assert backend.cuda_graph_attn_logits.shape[0] == 0  # upstream's split buffers: never read here
 
     def static_batch(bs):
@@ -436,7 +437,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
                 _self_attn(backends[rank], layer, q, k[i], v[i], batch).clone()
                 for i, layer in enumerate(LAYERS)
             ])  # fmt: skip
-            splits = backends[rank].dcp_gqa_decode.metadata.buffers._workspace[1][2][:raw_bs].clone()
+            splits = backends[rank].dcp_gqa_metadata.num_kv_splits[:raw_bs].clone()
             return out, exchange.calls[rank] - calls, splits, _snapshot(pools[rank])
 
         eager_out = run_ranks(eager)
@@ -457,7 +458,9 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata_out_graph(backends[rank], view)
             calls = exchange.calls[rank]
             out, trace = _traced(lambda: body(backends[rank], view))
-            splits = backends[rank].dcp_gqa_decode.graph._workspace[1][2][:raw_bs].clone()
+            splits = backends[rank].dcp_gqa_metadata.num_kv_splits[:raw_bs]
+            assert splits.data_ptr() == backends[rank].dcp_gqa_decode.graph.num_kv_splits.data_ptr()
+            splits = splits.clone()
             return out[:, :raw_bs].clone(), exchange.calls[rank] - calls, trace, splits
 
         replayed = run_ranks(replay)
@@ -509,14 +512,15 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
     ``TritonMultiStepDraftBackend`` (as patched), in its order: its ``init_cuda_graph_state``
     (each step backend's, sizing the graph buffers for ``max_bs * topk`` tokens), its
     ``init_forward_metadata_out_graph`` before capture and before each replay, and its
-    ``init_forward_metadata_in_graph`` (every step backend's) at the start of the captured body, then per
-    step the step's writes bound and the layer (its first layer fills the step's lists from the
-    device positions, into the graph buffers sized for ``max_bs * topk`` tokens), positions
-    advanced on the device. Every replay runs the captured op trace with no host read, one
-    All-to-All per step, and its rows equal eager Helix's draft steps (lists sized on the host)
-    bit for bit and float64 attention over the prefix and the token's own drafts."""
+    ``init_forward_metadata_in_graph`` (every step backend's: step ``i``'s lists from the step-0
+    positions + ``i`` + 1, into its own list set of the graph buffers sized for ``max_bs * topk``
+    tokens) at the start of the captured body, then per step the step's writes bound and the
+    layers, positions advanced on the device. Every replay runs the captured op trace with no host
+    read, one All-to-All per step, and its rows equal eager Helix's draft steps (the multi-step
+    backend's ``init_forward_metadata`` before the steps, lists sized on the host) bit for bit and
+    float64 attention over the prefix and the token's own drafts."""
     _instrument(monkeypatch)
-    monkeypatch.setattr(attention, "max_speculative_num_draft_tokens", lambda: DRAFT_STEPS * topk)
+    monkeypatch.setattr(decode_state, "max_speculative_num_draft_tokens", lambda: DRAFT_STEPS * topk)
     monkeypatch.setattr(decode_state, "get_spec", lambda: SimpleNamespace(speculative_num_steps=DRAFT_STEPS))
     g = torch.Generator().manual_seed(1)
     steps = DRAFT_STEPS - 1
@@ -526,13 +530,12 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
     ]  # each round's draft steps store their tokens' K/V
     req_to_token, pools, keys, values = _world(g, {w for written in round_written for w in written})
     spec = SimpleNamespace()  # a draft step: a decode with spec_info
-    states = [DcpGqaDecodeState(req_to_token, r, KVP, CHUNK) for r in range(KVP)]
+    # a list set per draft step (draft_list_sets)
+    states = [DcpGqaDecodeState(req_to_token, r, KVP, CHUNK, list_sets=steps) for r in range(KVP)]
     step_backends, drafts = [], []  # per rank, one backend per step over the rank's one state (as the pool shares it)
     max_bs = max(CAPTURE_BS)
     for r in range(KVP):
-        step_backends.append([_TritonBackend(pools[r], req_to_token, r) for _ in range(steps)])
-        for backend in step_backends[r]:
-            backend.dcp_gqa_decode = states[r]
+        step_backends.append([_TritonBackend(pools[r], req_to_token, r, i, states[r]) for i in range(steps)])
         # The draft worker's TritonMultiStepDraftBackend over these step backends (its __init__ builds
         # them from a model runner), with the fields its graph hooks read.
         draft = TritonMultiStepDraftBackend.__new__(TritonMultiStepDraftBackend)
@@ -612,19 +615,21 @@ def test_draft_steps_capture_replay_equals_eager_and_plain_tp(monkeypatch, topk)
             for j in range(NUM_LAYERS)
         ])  # fmt: skip
 
-        def eager(rank):  # the eager draft: each step backend's init_forward_metadata, then its layer
+        def eager(rank):  # the eager draft: the multi-step init (every step's lists), then each step's layers
+            batch = SimpleNamespace(
+                forward_mode=ForwardMode.DECODE, batch_size=raw_bs, req_pool_indices=slots, seq_lens=seq,
+                seq_lens_cpu=seq, positions=positions.clone(), out_cache_loc=loc[0], spec_info=spec, out_cache_loc_is_physical=False,
+            )  # fmt: skip
+            drafts[rank].init_forward_metadata(batch)  # each step backend's, from the step-0 positions
             outs = []
             for i, backend in enumerate(step_backends[rank]):
-                batch = SimpleNamespace(
-                    forward_mode=ForwardMode.DECODE, batch_size=raw_bs, req_pool_indices=slots, seq_lens=seq,
-                    seq_lens_cpu=seq, positions=positions + i, out_cache_loc=loc[i], spec_info=spec, out_cache_loc_is_physical=False,
-                )  # fmt: skip
-                TritonAttnBackend.init_forward_metadata(backend, batch)
+                batch.out_cache_loc = loc[i]  # draft_forward binds the step's writes and advances positions
                 calls = exchange.calls[rank]
                 outs.append(torch.stack([
                     _self_attn(backend, layer, q[i], k[j, i], v[j, i], batch) for j, layer in enumerate(LAYERS)
                 ]))  # fmt: skip
                 assert exchange.calls[rank] - calls == NUM_LAYERS
+                batch.positions.add_(1)
             return outs, _snapshot(pools[rank])
 
         eager_out = run_ranks(eager)
@@ -693,18 +698,19 @@ def test_eager_lists_without_a_charged_set():
     req_to_token = torch.zeros(SLOTS, MAX_LEN, dtype=torch.int32)
     for slot in range(SLOTS):
         req_to_token[slot] = page * (1 + slot * MAX_LEN) + torch.arange(MAX_LEN, dtype=torch.int32)
-    state = DcpGqaDecodeState(req_to_token, 1, KVP, CHUNK)
+    backend = _TritonBackend(None, req_to_token, 1)
+    state = backend.dcp_gqa_decode
     for reqs in STEPS:
         batch = _batch(reqs, req_to_token)
-        state.prepare_eager(batch)
-        meta = state.metadata
+        TritonAttnBackend.init_forward_metadata(backend, batch)
+        meta = backend.dcp_gqa_metadata
         total = kv_layout.total_local_len(batch.seq_lens_cpu, 1, KVP, CHUNK)
         indptr, indices, _ = kv_layout.local_kv_indices(
             req_to_token, batch.req_pool_indices, batch.seq_lens, total, 1, KVP, CHUNK
         )
         assert torch.equal(meta.kv_indptr, indptr) and torch.equal(meta.kv_indices[:total], indices)
-        assert meta.buffers.capacity == max(total, 1) and meta.buffers.max_bs == len(reqs)
-        assert state.graph is None and not meta.buffers.fixed  # nothing kept but the step's metadata
+        assert meta.kv_indices.shape[0] == max(total, 1) and meta.num_kv_splits.shape[0] == len(reqs)
+        assert state.graph is None  # nothing kept but the step's metadata
 
 
 def _splits(lens, cores=132, num_heads=8, num_kv_heads=1, cap=decode_state.DCP_GQA_MAX_KV_SPLITS):

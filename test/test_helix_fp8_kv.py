@@ -69,6 +69,9 @@ class _TritonBackend(TritonAttnBackend):
         self.dcp_gqa_decode = None  # the mode's state: set per rank below
         self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
+        # the decode workspace's heads and dtype; not a draft step's backend
+        self.num_head, self.num_kv_head, self.v_head_dim, self.dcp_gqa_dtype = H, KVH, D, torch.float32
+        self.dcp_draft_step = None
 
     # What _set_kv_buffer reads (TritonAttnBackend.__init__ sets them from the parallel state)
     dcp_size = property(lambda self: runtime_context.get_parallel().attn_dcp_size)
@@ -108,12 +111,9 @@ def attend(backend, layer, q, k, v, batch):
 
 
 def init_forward_metadata(backend, batch):
-    """This forward's lists: torch_native's own ``init_forward_metadata``; what Triton's does in
-    DCP's GQA mode for an extend (its decode lists come from the decode state's hooks)."""
-    if isinstance(backend, TritonAttnBackend):
-        backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(batch, backend.req_to_token)
-    else:
-        backend.init_forward_metadata(batch)
+    """This forward's lists: the backend's own ``init_forward_metadata`` (Triton's, in DCP's GQA
+    mode: ``dcp_gqa_forward_metadata``, a decode's from the decode state)."""
+    type(backend).init_forward_metadata(backend, batch)
 
 
 def _layer(scales):
@@ -247,8 +247,6 @@ def test_fp8_kv_with_scales(monkeypatch, backend_name, kv_cache, extend_as):
             batch = _forward_batch(mode, reqs, req_to_token, extend_as)
             if backend_name == "triton":  # the mode's decode state (which marks the mode on Triton)
                 backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
-                if mode == "decode":  # what the backend's init_forward_metadata does
-                    backend.dcp_gqa_decode.prepare_eager(batch)
             init_forward_metadata(backend, batch)
             k_in, v_in = k.clone(), v.clone()
             attend(backend, layer, q.reshape(T, -1), k_in.reshape(T, -1), v_in.reshape(T, -1), batch)

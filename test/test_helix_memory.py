@@ -2,7 +2,8 @@
 
 ``decode_state.graph_buffer_bytes`` is what ``DefaultPoolConfigurator`` charges against the KV
 budget (the Triton-backend patch); the shipped ``DcpGqaDecodeState`` then allocates its graph
-buffers (``init_graph_state``) and the per-layer workspace (the first layer's ``workspace``). Here
+buffers (``init_graph_state``: a list set per draft step) and the per-layer workspace (the hooks'
+``workspace``, for each head configuration). Here
 both run for real model shapes on the meta device (no memory), and the bytes allocated must equal
 the bytes reserved exactly. Upstream's own graph split buffers are not allocated under Helix
 (``cuda_graph_attn_logits`` is empty), and eager decode reuses the graph buffers when a batch fits.
@@ -37,7 +38,7 @@ CONTEXT, MAX_BS, TP, KVP, CHUNK = 1 << 20, 256, 8, 2, 64
 
 def _reserved(
     monkeypatch, q, k, v_head_dim, dtype=torch.bfloat16, splits_flag=8, helix=True, cores=132, topk=None,
-    graphs=True, decode_backend=None, cpu=False, draft=None,
+    graphs=True, decode_backend=None, cpu=False, draft=None, steps=None,
 ):  # fmt: skip
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
@@ -52,7 +53,7 @@ def _reserved(
     monkeypatch.setattr(sglang.srt.utils, "is_cpu", lambda: cpu)
     spec = SimpleNamespace(
         speculative_algorithm="STANDALONE" if draft else "EAGLE" if topk else None, speculative_eagle_topk=topk,
-        speculative_draft_model_path="/draft" if draft else None,
+        speculative_draft_model_path="/draft" if draft else None, speculative_num_steps=steps,
     )  # fmt: skip
     if draft:  # the draft's config.json, as upstream's get_config reads it: (Q, K, head_dim)
         from sglang.srt.utils import hf_transformers_utils
@@ -73,11 +74,11 @@ def _reserved(
     return graph_buffer_bytes(kvc)
 
 
-def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8, draft=None):
-    """What the shipped state allocates for the graph: lists + one layer's workspace (meta), and a
-    draft layer's when its heads ``draft`` (Q, K, head_dim) differ."""
+def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8, draft=None, list_sets=1):
+    """What the shipped state allocates for the graph: lists (a set per draft step) + one head
+    configuration's workspace (meta), and a draft's when its heads ``draft`` (Q, K, head_dim) differ."""
     req_to_token = torch.empty(MAX_BS + 1, CONTEXT, dtype=torch.int32, device="meta")
-    state = DcpGqaDecodeState(req_to_token, 0, KVP, CHUNK)
+    state = DcpGqaDecodeState(req_to_token, 0, KVP, CHUNK, list_sets=list_sets)
     state.init_graph_state(MAX_BS, CONTEXT)
     buffers = state.graph
     tpa = TP // KVP
@@ -88,7 +89,7 @@ def _allocated(q, k, v_head_dim, dtype=torch.bfloat16, cores=132, splits_flag=8,
     if draft:
         buffers.workspace(MAX_BS, draft[0] // tpa, max(1, draft[1] // tpa), draft[2], dtype, policy)
     workspaces = [t for ws in buffers._workspaces.values() for t in ws]
-    tensors = [buffers.kv_indptr, buffers.kv_indices, *workspaces]
+    tensors = [buffers.kv_indptr, buffers.kv_indices, buffers.num_kv_splits, *workspaces]
     assert all(t.device.type == "meta" for t in tensors)
     return sum(t.nbytes for t in tensors)
 
@@ -109,7 +110,7 @@ def test_reserved_equals_allocated_for_real_models(name, cores, monkeypatch):
 def test_a_draft_with_its_own_heads_is_charged_its_workspace(draft, monkeypatch):
     """A STANDALONE draft (Llama-3.1-70B's target with a Llama-3.2-1B-shaped draft: 32 / 8 heads, head
     dim 64) gets its own workspace in the rank's buffer set: charged from the draft's config, byte
-    for byte what its first layer allocates; a draft with its target's heads (an EAGLE head) shares
+    for byte what its step backends' hooks allocate; a draft with its target's heads (an EAGLE head) shares
     the target's and adds nothing."""
     q, k, v_head_dim = MODELS["Llama-3.1-70B"]
     reserved = _reserved(monkeypatch, q, k, v_head_dim, draft=draft)
@@ -227,19 +228,22 @@ def test_eager_decode_uses_the_one_charged_set():
             out_cache_loc=req_to_token[torch.arange(n), seq - 1].long(),
         )  # fmt: skip
 
-    state.prepare_eager(batch(3))
+    # the fields of a TritonAttnBackend that prepare reads (its heads, its split setting, not a draft step's)
+    backend = SimpleNamespace(
+        num_head=4, num_kv_head=2, v_head_dim=8, dcp_gqa_dtype=torch.float32, dcp_draft_step=None,
+        static_kv_splits=True, device_core_count=0, split_tile_size=None, max_kv_splits=4,
+    )  # fmt: skip
+    meta = state.prepare(batch(3), backend)
     charged = state.graph
     # sized by the model's context length (what graph_buffer_bytes charges), not req_to_token's width
     assert charged.max_bs == 4 and charged.capacity == state._capacity(4, max_len - 8)
-    assert state.metadata.buffers is charged
-    state.prepare_eager(batch(2))
-    assert state.metadata.buffers is charged
-    assert state.init_graph_state(4, max_len - 8) is charged.kv_indices and state.graph is charged  # reused
-    state.prepare_eager(batch(6))  # larger than the charged set: buffers of this step only
-    step = state.metadata.buffers
-    assert step is not charged and not step.fixed and step.max_bs == 6 and state.graph is charged
-    state.prepare_eager(batch(6))
-    assert state.metadata.buffers is not step  # not kept: allocated per step like upstream's
+    assert meta.kv_indices.data_ptr() == charged.kv_indices.data_ptr()
+    assert state.prepare(batch(2), backend).kv_indices.data_ptr() == charged.kv_indices.data_ptr()
+    reused = state.init_graph_state(4, max_len - 8)
+    assert reused.data_ptr() == charged.kv_indices.data_ptr() and state.graph is charged  # reused
+    step = state.prepare(batch(6), backend)  # larger than the charged set: buffers of this step only
+    assert step.kv_indices.data_ptr() != charged.kv_indices.data_ptr() and step.num_kv_splits.shape == (6,)
+    assert state.graph is charged  # the step's buffers are kept by its metadata only, like upstream's
 
 
 def test_a_tree_draft_is_charged_per_token(monkeypatch):
@@ -253,3 +257,19 @@ def test_a_tree_draft_is_charged_per_token(monkeypatch):
     assert decode_state.reserved_batch() == 4 * MAX_BS
     capacity = 4 * MAX_BS * int(kv_layout.local_kv_lens(CONTEXT, 0, KVP, CHUNK))
     assert tree > plain and tree >= 8 * capacity  # the lists alone: int64 rows for 4x the tokens
+
+
+def test_each_draft_step_is_charged_its_lists(monkeypatch):
+    """EAGLE / STANDALONE with --speculative-num-steps S: the draft's S - 1 decode steps each build
+    their lists before the steps run (``dcp_draft_step``), so the set holds S - 1 list sets, charged
+    as allocated; NGRAM has no draft steps and no speculation one set."""
+    q, k, v_head_dim = MODELS["Llama-3.1-70B"]
+    plain = _reserved(monkeypatch, q, k, v_head_dim)
+    assert decode_state.draft_list_sets() == 1 and plain == _allocated(q, k, v_head_dim)
+    chain = _reserved(monkeypatch, q, k, v_head_dim, topk=1, steps=4)
+    assert decode_state.draft_list_sets() == 3
+    assert chain == _allocated(q, k, v_head_dim, list_sets=3) and chain > plain
+    capacity = MAX_BS * int(kv_layout.local_kv_lens(CONTEXT, 0, KVP, CHUNK))
+    assert chain - plain == 2 * (4 * (MAX_BS + 1) + 8 * capacity + 4 * MAX_BS)  # two more list sets
+    monkeypatch.setattr(decode_state, "get_spec", lambda: SimpleNamespace(speculative_algorithm="NGRAM", speculative_num_steps=4))
+    assert decode_state.draft_list_sets() == 1

@@ -6,9 +6,10 @@ A chain draft's iteration runs three kinds of forward over the sequence-sharded 
   committed prefix (``seq_lens``) and causally each other -- an extend of ``draft_token_num``
   tokens (``extend_lens_of``): the torch path, and on Triton the three extend calls;
 - the draft decode steps (``DECODE`` with ``spec_info``): step ``i`` attends positions
-  ``[0, seq_len + i]`` (``kv_ends_of``: position + 1). The multi-step draft backend prepares each
-  step's Triton backend before the steps run, so its lists are filled by the step's first layer
-  (``DcpGqaDecodeState.prepare_draft_step``), once per step;
+  ``[0, seq_len + i]`` (``kv_ends_of``: position + 1). The multi-step draft backend prepares every
+  step's backend before the steps run (``init_forward_metadata``), as the draft worker calls it:
+  on Triton each step backend (``dcp_draft_step``) fills its own list set once, from the step-0
+  positions (``DcpGqaDecodeState.prepare``), and the layers only read it;
 - the draft extend (``DRAFT_EXTEND_V2``): an extend with its own prefix and extend lengths.
 
 Each case drives ``dcp_gqa_attention`` on both ranks of a KVP = 2 layout (one fp32 pool per rank,
@@ -35,6 +36,8 @@ from test_helix_fp8_kv import (  # noqa: E402
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.layers.dcp import gqa_attention as attention, gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend  # noqa: E402
+from sglang.srt.layers.dcp import gqa_decode as decode_state  # noqa: E402
 from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
@@ -97,6 +100,18 @@ FORWARDS = [
 ]
 
 
+def triton_draft(pool, req_to_token, state, steps: int):
+    """A rank's ``TritonMultiStepDraftBackend`` (as patched) over ``steps`` step backends on ``state``,
+    step backend ``i`` with ``dcp_draft_step = i`` (what its ``__init__`` builds from a model runner)."""
+    m = TritonMultiStepDraftBackend.__new__(TritonMultiStepDraftBackend)
+    m.attn_backends = []
+    for i in range(steps):
+        backend = BACKENDS["triton"](pool, req_to_token)
+        backend.dcp_gqa_decode, backend.dcp_draft_step = state, i
+        m.attn_backends.append(backend)
+    return m
+
+
 def _forbid(name):
     def forbidden(self, *args, **kwargs):
         raise AssertionError(f"Tensor.{name}() in a Helix speculative forward: a device-to-host read")
@@ -107,24 +122,28 @@ def _forbid(name):
 @pytest.mark.parametrize("backend_name", ["torch_native", "triton"])
 def test_speculative_forwards_are_exact(monkeypatch, backend_name):
     g = torch.Generator().manual_seed(1)
-    monkeypatch.setattr(attention, "max_speculative_num_draft_tokens", lambda: DRAFTS)
+    monkeypatch.setattr(decode_state, "max_speculative_num_draft_tokens", lambda: DRAFTS)
     req_to_token, pools = paged_table_and_pools(torch.float32)
     backends = [BACKENDS[backend_name](pools[r], req_to_token) for r in range(KVP)]
     triton = backend_name == "triton"
+    draft_steps = DRAFTS - 1
+    # the Triton backend's decode state (torch_native has none): a list set per draft step
+    states = [DcpGqaDecodeState(req_to_token, r, KVP, CHUNK, list_sets=draft_steps) for r in range(KVP)]
     for r, backend in enumerate(backends):  # one per rank, kept across forwards as a server's is
-        if triton:  # the Triton backend's decode lists (torch_native has none)
-            backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, r, KVP, CHUNK)
+        if triton:
+            backend.dcp_gqa_decode = states[r]
     layer = _layer(None)
     partials = capture_partials(monkeypatch)
     filled = {r: 0 for r in range(KVP)}
-    for r, backend in enumerate(backends if triton else ()):  # count the list fills of draft steps (once per step, not per layer)
-        real = backend.dcp_gqa_decode.prepare_eager
+    for r, state in enumerate(states if triton else ()):  # count the list fills (once per step, never by a layer)
+        real = state.prepare
 
-        def counted(fb, kv_ends=None, kv_ends_cpu=None, real=real, r=r):
-            filled[r] += kv_ends is not None
-            return real(fb, kv_ends, kv_ends_cpu)
+        def counted(fb, backend, in_graph=False, real=real, r=r):
+            filled[r] += 1
+            return real(fb, backend, in_graph)
 
-        backend.dcp_gqa_decode.prepare_eager = counted
+        state.prepare = counted
+    drafts = {}  # per rank, this round's Triton multi-step draft backend
 
     persistent = {}  # a draft step's writes and positions, per rank: one tensor for every step
     for mode, reqs, step in FORWARDS:
@@ -143,22 +162,26 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
             parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="a2a")
             monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
             batch = batches[r][0]
-            init_forward_metadata(backends[r], batch)
+            backend = backends[r]
+            if triton and mode == "draft":  # the draft worker's multi-step init, before the round's steps
+                if step == 0:
+                    drafts[r], before = triton_draft(pools[r], req_to_token, states[r], draft_steps), filled[r]
+                    drafts[r].init_forward_metadata(batch)  # every step's lists, from the step-0 positions
+                    assert filled[r] == before + draft_steps, "each draft step's lists are built once, before the steps"
+                backend = drafts[r].attn_backends[step]
+            else:
+                init_forward_metadata(backend, batch)
             if not triton:  # a chain draft step's rows (TorchNativeMultiStepDraftBackend, top-k 1): the request's
                 ends = batch.seq_lens + step + 1
                 backends[r].draft_decode_metadata = (req_to_token, batch.req_pool_indices, ends, ends.clone()) if mode == "draft" else None
-            if backend_name == "triton" and mode == "draft":  # the multi-step backend's init, before the step
-                backends[r].dcp_gqa_decode.prepare_eager(batch)
-                assert backends[r].dcp_gqa_decode.metadata is None
             before = dict(filled)
             with monkeypatch.context() as m:
                 if triton and mode in ("draft", "verify"):  # no device-to-host read (on a GPU: a sync)
                     for name in ("item", "tolist", "cpu", "numpy"):
                         m.setattr(torch.Tensor, name, _forbid(name))
-                for _ in range(2):  # two layers of one forward: the second reuses the first's lists
-                    attend(backends[r], layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch)
-            if backend_name == "triton" and mode == "draft":
-                assert filled[r] == before[r] + 1, "a draft step's lists are filled once, by its first layer"
+                for _ in range(2):  # two layers of one forward, both reading the lists built before them
+                    attend(backend, layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch)
+            assert filled[r] == before[r], "a layer built lists: the backend's hooks build them, once per forward"
 
         keys = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
         values = {0: [None] * MAX_LEN, 1: [None] * MAX_LEN}
@@ -178,17 +201,18 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
 
 def test_draft_step_backends_share_the_ranks_decode_buffers(monkeypatch):
     """Every Triton backend of a rank over one request table (the target's, and a speculative
-    draft's per-step backends, which run one at a time) gets the same ``DcpGqaDecodeState``: one
-    buffer set, the one the KV pool sizing charged, not one per draft step."""
-    from sglang.srt.layers.dcp import gqa_decode as decode_state
-
+    draft's per-step backends) gets the same ``DcpGqaDecodeState``: one buffer set, the one the KV
+    pool sizing charged, with a list set per draft step (their lists are built before the steps
+    run) and the workspace shared."""
     parallel = SimpleNamespace(dcp_gqa_mode=True, attn_dcp_rank=1, attn_dcp_size=KVP, dcp_interleave_size=CHUNK)
     monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
     monkeypatch.setattr(decode_state, "reserved_batch", lambda: 4)
+    monkeypatch.setattr(decode_state, "draft_list_sets", lambda: 2)
     pool = SimpleNamespace(req_to_token=torch.zeros(2, MAX_LEN, dtype=torch.int32))  # the ReqToTokenPool
     states = [DcpGqaDecodeState.for_this_rank(pool) for _ in range(3)]  # target + two draft steps
     assert states[0] is states[1] is states[2] is pool.dcp_gqa_decode  # held by the table's pool, no global
     assert (states[0].kvp_rank, states[0].reserved_bs, states[0].req_to_token) == (1, 4, pool.req_to_token)
+    assert states[0].list_sets == 2
     other = DcpGqaDecodeState.for_this_rank(SimpleNamespace(req_to_token=torch.zeros(2, MAX_LEN, dtype=torch.int32)))
     assert other is not states[0]
     parallel.dcp_gqa_mode = False
@@ -212,14 +236,16 @@ def _owned_kv(pools, locs):
     return out
 
 
-def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials):
-    """Every rank's Helix attention of one forward; the ranks' partials merged ``[T, H, D]``."""
+def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials, init=True):
+    """Every rank's Helix attention of one forward (after its ``init_forward_metadata``, unless the
+    lists were built before: a Triton draft step's); the ranks' partials merged ``[T, H, D]``."""
     partials.clear()
     T = q.shape[0]
     for r, backend in enumerate(backends):
         parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="a2a")
         monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
-        init_forward_metadata(backend, batch_of(r))
+        if init:
+            init_forward_metadata(backend, batch_of(r))
         attend(backend, layer, q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), batch_of(r))
     out, _ = dcp_lse_combine_triton(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
     return out
@@ -234,10 +260,9 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     then the owned tree keys by the mask's columns). Both equal float64 attention over the keys each
     token should see."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeMultiStepDraftBackend
-    from sglang.srt.layers.dcp import gqa_decode as decode_state
 
     triton = backend_name == "triton"
-    monkeypatch.setattr(attention, "max_speculative_num_draft_tokens", lambda: STEPS_T)
+    monkeypatch.setattr(decode_state, "max_speculative_num_draft_tokens", lambda: STEPS_T)
     monkeypatch.setattr(decode_state, "get_spec", lambda: SimpleNamespace(speculative_num_steps=STEPS_T))
     g = torch.Generator().manual_seed(3)
     req_to_token, pools = paged_table_and_pools(torch.float32)
@@ -247,8 +272,8 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     backends = []
     for r in range(KVP):
         backend = BACKENDS[backend_name](pools[r], req_to_token)
-        if triton:
-            backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, r, KVP, CHUNK)
+        if triton:  # a list set per draft step
+            backend.dcp_gqa_decode = DcpGqaDecodeState(req_to_token, r, KVP, CHUNK, list_sets=STEPS_T - 1)
         else:
             backend.use_sliding_window_kv_pool, backend.draft_decode_metadata = False, None
         backends.append(backend)
@@ -264,8 +289,11 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
             pools[r].get_value_buffer(0)[rows[own]] = kv[1][own]
 
     # The draft steps: branch t's step i writes row position seq + t * num_new_pages * page + i.
-    multi = []  # per rank, the draft backend: one torch_native backend per step
+    multi = []  # per rank, the draft backend: one backend per step
     for r in range(KVP):
+        if triton:
+            multi.append(triton_draft(pools[r], req_to_token, backends[r].dcp_gqa_decode, STEPS_T - 1))
+            continue
         m = TorchNativeMultiStepDraftBackend.__new__(TorchNativeMultiStepDraftBackend)
         m.topk, m.speculative_num_steps, m.page_size, m.req_to_token = TOPK, STEPS_T, page, req_to_token
         m.attn_backends = [BACKENDS["torch_native"](pools[r], req_to_token) for _ in range(STEPS_T - 1)]
@@ -277,9 +305,9 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     req_of = torch.arange(len(reqs)).repeat_interleave(TOPK)
     round_batch = SimpleNamespace(
         forward_mode=ForwardMode.DECODE, spec_info=SPEC, seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=slots,
-        out_cache_loc=None,
+        out_cache_loc=req_to_token[slots[req_of], start].long(), positions=seq[req_of],  # the step-0 tokens'
     )  # fmt: skip
-    for r, m in enumerate(multi if not triton else ()):  # once per draft round, before its steps (as the draft worker does)
+    for r, m in enumerate(multi):  # once per draft round, before its steps (as the draft worker does)
         parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="a2a")
         monkeypatch.setattr(runtime_context, "_PARALLEL", parallel)
         m.init_forward_metadata(round_batch)
@@ -291,12 +319,12 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
         )  # fmt: skip
         T = loc.shape[0]
         q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
-        step_backends = backends if triton else [m.attn_backends[step] for m in multi]
+        step_backends = [m.attn_backends[step] for m in multi]
         with monkeypatch.context() as mp:
             if triton:  # no device-to-host read in a draft step (on a GPU: a sync)
                 for name in ("item", "tolist", "cpu", "numpy"):
                     mp.setattr(torch.Tensor, name, _forbid(name))
-            out = _run_ranks(monkeypatch, step_backends, layer, lambda r: fb, q, k, v, partials)
+            out = _run_ranks(monkeypatch, step_backends, layer, lambda r: fb, q, k, v, partials, init=not triton)
         for t in range(T):
             b = int(req_of[t])
             locs = torch.cat([req_to_token[slots[b], : seq[b]], req_to_token[slots[b], start[t] : start[t] + step + 1]])

@@ -529,7 +529,7 @@ PREFIX_TESTS = {
         "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
     ],
     _PD_RELAYOUT: ["test/test_helix_pd.py", "-m", "not e2e"],
-    "[DCP] Speculation: draft decode steps in CUDA graphs": [
+    "[DCP] Speculation: each draft step's lists from its backend's hooks, eager and in CUDA graphs": [
         "test/test_helix_decode_graph.py", "-m", "not e2e", "-k", "capture_replay",
     ],
 }

@@ -152,6 +152,9 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
             self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
             self.dcp_gqa_decode = state  # the mode's decode state (what marks the mode)
             self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
+            # the decode workspace's heads and dtype (the layers'); not a draft step's backend
+            self.num_head, self.num_kv_head, self.v_head_dim = H, KVH, D
+            self.dcp_gqa_dtype, self.dcp_draft_step = torch.bfloat16, None
             self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
             self.dcp_size, self.dcp_rank, self.dcp_interleave_size = kvp, 0, CHUNK
             # what forward_decode / forward_extend read before their DCP branch
@@ -182,10 +185,7 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
         v = torch.randn(T, KVH, D, generator=g).to(torch.bfloat16)
         backend = _Backend(pool, req_to_token, state)
         fb = batch_of(mode, reqs)
-        if mode == "decode":
-            state.prepare_eager(fb)
-        # what the Triton backend's init_forward_metadata builds (None for a decode: the state's)
-        backend.dcp_gqa_metadata = attention.dcp_gqa_forward_metadata(fb, req_to_token)
+        TritonAttnBackend.init_forward_metadata(backend, fb)  # in the GQA mode: dcp_gqa_forward_metadata
         if recorder is not None:
             from sglang.kernels.ops.attention import extend_attention as ea
 

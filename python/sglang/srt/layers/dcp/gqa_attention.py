@@ -12,13 +12,11 @@ A query at position p attends to the keys this rank owns at positions <= p (none
 extend is upstream's extend kernel with ``lse_extend`` in three calls over the owned keys (the
 owned prefix; each chunk segment over the owned new tokens before it; each segment causally over
 itself), so every rank does ~1/KVP of the prefill. A speculative target verify is a causal extend
-of the drafts over the committed prefix; a draft decode step attends up to its own position (its
-lists sized on the host by ``draft_kv_ends``, no device read; in a CUDA graph, for the largest
-step). A decode reads the lists the backend's hooks filled (``gqa_decode.py``); every other
-forward's are built once per batch by the backend's ``init_forward_metadata``
-(``dcp_gqa_forward_metadata``) into its ``dcp_gqa_metadata``, which the layers only read -- except
-a speculative draft step's, whose writes are bound only when the step runs: its first layer builds
-them (docs/helix-design.md, 3-4).
+of the drafts over the committed prefix; a draft decode step attends up to its own position. Every
+forward's lists are built once per batch by the backend's hooks into its ``dcp_gqa_metadata``
+(``init_forward_metadata``: ``dcp_gqa_forward_metadata``; in a CUDA graph, a decode's and each draft
+step's by ``init_forward_metadata_in_graph``, ``gqa_decode.py``), and the layers only read them
+(docs/helix-design.md, 3-4).
 
 The ranks: N = KVP x TPA form the TP group, ``tp_rank = tpa_rank * KVP + kvp_rank``; the KVP group
 is DCP's group (``dcp_group_ranks``), its layout DCP's with ``interleave_size = chunk``
@@ -37,22 +35,17 @@ from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.srt.layers.dcp import gqa_layout
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed
-from sglang.srt.layers.dcp.gqa_decode import (
-    DcpGqaDecodeMetadata,
-    kv_split_policy,
-    num_kv_splits_by_local_len,
-    send_views,
-)
+from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeMetadata, send_views
 from sglang.srt.layers.dcp.layout import localize_dcp_indices
 from sglang.srt.layers.dcp.torch_attention import kv_scales, tree_mask_of
-from sglang.srt.runtime_context import get_parallel, max_speculative_num_draft_tokens
+from sglang.srt.runtime_context import get_parallel
 
 
 @dataclass
 class DcpGqaForwardMetadata:
-    """One Triton forward's lists (every forward but a decode, whose lists are the decode state's,
-    ``gqa_decode.py``): built once per batch by the backend's ``init_forward_metadata``
-    (``dcp_gqa_forward_metadata``), only read by the layers."""
+    """An extend's or a verify's lists (a decode's: ``DcpGqaDecodeMetadata``): built once per batch
+    by the backend's ``init_forward_metadata`` (``dcp_gqa_forward_metadata``), only read by the
+    layers."""
 
     kvp_rank: int
     kvp_size: int
@@ -62,16 +55,16 @@ class DcpGqaForwardMetadata:
     extend_lists: Optional[object] = None
 
 
-def dcp_gqa_forward_metadata(
-    forward_batch, req_to_token: torch.Tensor
-) -> Optional[DcpGqaForwardMetadata]:
-    """This forward's metadata, for the Triton backend's ``init_forward_metadata``; ``req_to_token
-    [R, max_context]`` the backend's table. None for an idle batch and for a decode, whose lists
-    are the decode state's (a speculative draft step's writes are bound only when the step runs,
-    so its first layer builds them: ``_decode_step_metadata``)."""
+def dcp_gqa_forward_metadata(forward_batch, backend):
+    """This forward's metadata, for the Triton backend's ``init_forward_metadata``: a decode's (or a
+    draft step's) lists and workspace from the decode state (``gqa_decode.py``), any other
+    forward's owned-key lists from the backend's table; None for an idle batch."""
     mode = forward_batch.forward_mode
-    if forward_batch.out_cache_loc is None or mode.is_idle() or mode.is_decode():
+    if forward_batch.out_cache_loc is None or mode.is_idle():
         return None
+    if mode.is_decode():
+        return backend.dcp_gqa_decode.prepare(forward_batch, backend)
+    req_to_token = backend.req_to_token
     parallel = get_parallel()
     meta = DcpGqaForwardMetadata(
         parallel.attn_dcp_rank, parallel.attn_dcp_size, parallel.dcp_interleave_size
@@ -82,24 +75,6 @@ def dcp_gqa_forward_metadata(
     else:
         meta.extend_lists = TritonExtendLists.build(forward_batch, meta, req_to_token)
     return meta
-
-
-def draft_kv_ends(
-    forward_batch, host_bound: bool = True
-) -> Tuple[torch.Tensor, Optional[list]]:
-    """A speculative draft decode step's KV ends for the Triton lists, without a device read:
-    ``position + 1`` on the device ``[B]`` (a tree's ``[T]``), and on the host (eager only) a bound
-    the lists are sized by -- the committed length plus the most tokens a draft may write past it
-    (``max_speculative_num_draft_tokens``, adaptive speculation's largest)."""
-    if not host_bound:
-        return forward_batch.positions.to(torch.int64) + 1, None
-    bound = max_speculative_num_draft_tokens() or 1
-    topk = forward_batch.out_cache_loc.shape[0] // max(
-        1, forward_batch.req_pool_indices.shape[0]
-    )  # a tree: per token
-    return forward_batch.positions.to(torch.int64) + 1, [
-        int(n) + bound for n in forward_batch.seq_lens_cpu for _ in range(topk)
-    ]
 
 
 def extend_lens_of(forward_batch) -> Tuple[torch.Tensor, list, torch.Tensor, list]:
@@ -202,13 +177,11 @@ def dcp_gqa_attention(layer, q, k, v, forward_batch, backend) -> torch.Tensor:
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     mode = forward_batch.forward_mode
-    meta = backend.dcp_gqa_metadata  # built by init_forward_metadata
-    if meta is None and mode.is_decode():  # a decode, a draft step
-        meta = _decode_step_metadata(forward_batch, backend, q.shape[0])
-    elif meta is None:
+    meta = backend.dcp_gqa_metadata  # built by the backend's hooks, before the layers
+    if meta is None:
         raise RuntimeError(
-            "dcp gqa attention: the backend's init_forward_metadata did not build this "
-            f"forward's lists ({mode.name})"
+            "dcp gqa attention: the Triton backend's init_forward_metadata (or, in a CUDA graph, "
+            f"init_forward_metadata_in_graph) did not build this forward's lists ({mode.name})"
         )
     if k is not None:
         k = k.reshape(-1, num_kv_heads, layer.qk_head_dim)  # [T, K/TPA, D]
@@ -223,27 +196,6 @@ def dcp_gqa_attention(layer, q, k, v, forward_batch, backend) -> torch.Tensor:
         out, lse = _triton_extend(layer, q, k, v, forward_batch, meta, backend)
         merged = dcp_a2a_lse_reduce(out, lse, group)
     return merged.reshape(merged.shape[0], -1)
-
-
-def _decode_step_metadata(forward_batch, backend, num_tokens: int):
-    """A decode's lists that ``init_forward_metadata`` did not build: a speculative draft step's
-    (each step has its own backend), built here once, by the step's first layer, up to its
-    position, into the decode state's buffers (in a CUDA graph: device ends only, into the graph
-    buffers); or a decode's, which the backend's hooks filled."""
-    state = backend.dcp_gqa_decode
-    if forward_batch.spec_info is not None:
-        state.prepare_draft_step(
-            forward_batch, *draft_kv_ends(forward_batch, not state.draft_in_graph)
-        )
-        backend.dcp_gqa_metadata = state.metadata
-        return state.metadata
-    meta = state.metadata
-    if meta is None or meta.kv_indptr.shape[0] - 1 != num_tokens:
-        raise RuntimeError(
-            "dcp gqa attention: the Triton backend did not prepare this decode batch's lists "
-            f"(init_forward_metadata / init_forward_metadata_in_graph); {num_tokens} tokens"
-        )
-    return meta
 
 
 def _check_layer(layer) -> None:
@@ -266,29 +218,13 @@ def _kv_buffers(layer, backend, dtype: torch.dtype):
 
 def _triton_decode(layer, q, meta: DcpGqaDecodeMetadata, backend):
     """Upstream's two-stage decode over the local KV lists, stage 2 writing output and merged LSE
-    into the send buffer: ``(send, recv)`` ``[KVP, T, Q/N, Dv + lpd]`` from ``meta.buffers``, splits
-    per request from the local lengths. No host value, no allocation: capturable."""
+    into the send buffer: ``(send, recv)`` ``[KVP, T, Q/N, Dv + lpd]``, every buffer the metadata's.
+    No host value, no allocation: capturable."""
     _check_layer(layer)
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
-    T, H, _ = q.shape
-    policy = kv_split_policy(backend)
-    attn_logits, attn_lse, num_kv_splits, send, recv = meta.buffers.workspace(
-        T, H, layer.tp_k_head_num, layer.v_head_dim, q.dtype, policy
-    )  # attn_logits [T, Q/TPA, S, Dv]: S, the batch's split extent
-    splits = attn_logits.shape[2]
-    if (
-        not meta.splits_ready
-    ):  # once per batch, by its first layer (recorded once in a graph)
-        num_kv_splits_by_local_len(
-            num_kv_splits,
-            meta.local_lens,
-            H,
-            layer.tp_k_head_num,
-            splits,
-            policy.core_count,
-        )
-        meta.splits_ready = True
-    out, lse = send_views(send, layer.v_head_dim)  # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
+    out, lse = send_views(
+        meta.send, layer.v_head_dim
+    )  # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
     decode_attention_fwd(
         q,
         k_buf,
@@ -296,16 +232,16 @@ def _triton_decode(layer, q, meta: DcpGqaDecodeMetadata, backend):
         out,
         meta.kv_indptr,
         meta.kv_indices,
-        attn_logits,
-        attn_lse,
-        num_kv_splits,
-        splits,
+        meta.attn_logits,  # [T, Q/TPA, S, Dv]: S, the batch's split extent
+        meta.attn_lse,
+        meta.num_kv_splits,
+        meta.attn_logits.shape[2],
         layer.scaling,
         k_descale,
         v_descale,
         output_lse=lse,
     )
-    return send, recv
+    return meta.send, meta.recv
 
 
 def _triton_extend(layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, backend):

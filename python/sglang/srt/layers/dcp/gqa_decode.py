@@ -1,14 +1,17 @@
 """DCP's GQA-mode decode metadata and workspaces in persistent buffers: one implementation, eager and graph.
 
-Per forward batch: this rank's local KV lists ``kv_indptr [B+1]`` / ``kv_indices [capacity]``
-(upstream DCP's list kernel at ``interleave_size = chunk``). Per layer, reused by every layer: the stage-1 split buffers
-``[T, H, S, Dv]`` and the All-to-All ``send`` / ``recv`` ``[KVP, T, H/KVP, Dv + lpd]`` that stage 2
-writes straight into (``H = Q/TPA``, ``S`` = ``KVSplitPolicy.grid_splits``). ``fill``'s shapes come
-only from the batch's tensor shapes, so the same code runs eagerly (``prepare_eager``: buffers grown
-on the host) and in a CUDA graph (``init_graph_state`` once, ``prepare_in_graph`` at capture: buffers
-sized for the largest captured batch, never reallocated). A replayed graph's padded requests list
-position 0 on KVP rank 0 and write rank 0's reserved row 0; their outputs are dropped
-(docs/helix-design.md, section 4).
+Per forward batch, built by the Triton backend's hooks before the layers run
+(``DcpGqaDecodeState.prepare``): this rank's local KV lists ``kv_indptr [T+1]`` / ``kv_indices``
+(upstream DCP's list kernel at ``interleave_size = chunk``) and split counts ``num_kv_splits [T]``;
+views of the per-layer workspace every layer reuses: the stage-1 split buffers ``[T, H, S, Dv]``
+and the All-to-All ``send`` / ``recv`` ``[KVP, T, H/KVP, Dv + lpd]`` that stage 2 writes straight
+into (``H = Q/TPA``, ``S`` = ``KVSplitPolicy.grid_splits``). The fill's shapes come only from the
+batch's tensor shapes, so the same code runs eagerly (``init_forward_metadata``) and in a CUDA
+graph (``init_graph_state`` once, ``init_forward_metadata_in_graph`` at capture: buffers sized for
+the largest captured batch, never reallocated). A multi-step draft's step backends
+(``dcp_draft_step``) each fill a list set of their own before the steps run. A replayed graph's
+padded requests list position 0 on KVP rank 0 and write rank 0's reserved row 0; their outputs are
+dropped (docs/helix-design.md, section 4).
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from sglang.kernels.ops.attention.dcp_kernels import (
 )
 from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 from sglang.srt.layers.dcp.gqa_layout import local_kv_lens
-from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.runtime_context import (
+    get_parallel,
+    get_spec,
+    max_speculative_num_draft_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,25 +164,33 @@ def num_kv_splits_by_local_len(
 
 @dataclass
 class DcpGqaDecodeMetadata:
-    """One decode batch's lists (views into the persistent buffers)."""
+    """One decode forward's lists and workspace, views into persistent buffers, built by the Triton
+    backend's hooks before the layers run (``DcpGqaDecodeState.prepare``); every layer reads them.
+    """
 
-    kv_indptr: torch.Tensor  # [B+1] ([T+1] for a tree draft step: one list per token)
-    kv_indices: torch.Tensor  # [capacity]
-    local_lens: torch.Tensor  # [B] this rank's KV length per request
-    buffers: "DcpGqaDecodeBuffers"
-    splits_ready: bool = False  # num_kv_splits set for this batch (by its first layer)
+    kv_indptr: (
+        torch.Tensor
+    )  # [T+1] (T = B; a tree draft step's B * topk: one list per token)
+    kv_indices: torch.Tensor  # [capacity] this rank's KV rows
+    num_kv_splits: (
+        torch.Tensor
+    )  # [T] stage-1 splits per token, from its local KV length
+    attn_logits: (
+        torch.Tensor
+    )  # [T, H, S, Dv] fp32, stage 1's split outputs (S: the split extent)
+    attn_lse: torch.Tensor  # [T, H, S] fp32
+    send: torch.Tensor  # [KVP, T, H/KVP, Dv + lpd]: stage 2 writes the partials here
+    recv: torch.Tensor  # [KVP, T, H/KVP, Dv + lpd]
 
 
 class DcpGqaDecodeBuffers:
-    """Persistent decode buffers for up to ``max_bs`` requests (= tokens) and ``capacity`` listed KV."""
+    """Persistent decode buffers for up to ``max_bs`` tokens: ``list_sets`` sets of lists (one per
+    speculative draft step, each built before the steps run; a decode uses the first) of
+    ``capacity`` listed KV rows each, and one workspace per head configuration (``workspace``).
+    """
 
     def __init__(
-        self,
-        max_bs: int,
-        capacity: int,
-        kvp_size: int,
-        device: torch.device,
-        fixed: bool,
+        self, max_bs, capacity, kvp_size, device, fixed: bool, list_sets: int = 1
     ):
         self.max_bs, self.capacity, self.kvp_size, self.device = (
             max_bs,
@@ -184,93 +199,81 @@ class DcpGqaDecodeBuffers:
             device,
         )
         self.fixed = fixed  # a graph's buffers: never reallocated (the graph holds their addresses)
-        self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self.kv_indices = torch.zeros(capacity, dtype=torch.int64, device=device)
-        # The per-layer workspaces by head configuration (a speculative draft's layers may have
-        # other heads than the target's), and the one the last layer used: (key, tensors).
-        self._workspaces: dict = {}
-        self._workspace: Optional[Tuple] = None
+        self.kv_indptr = torch.zeros(
+            list_sets, max_bs + 1, dtype=torch.int32, device=device
+        )
+        self.kv_indices = torch.zeros(
+            list_sets, capacity, dtype=torch.int64, device=device
+        )
+        self.num_kv_splits = torch.ones(
+            list_sets, max_bs, dtype=torch.int32, device=device
+        )
+        self._workspaces: dict = (
+            {}
+        )  # (H, K, Dv, dtype, policy) -> (logits, lse, send, recv)
 
-    def workspace(
-        self,
-        num_tokens: int,
-        num_heads: int,
-        num_kv_heads: int,
-        v_head_dim: int,
-        dtype: torch.dtype,
-        splits: KVSplitPolicy,
-    ):
-        """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], num_kv_splits [T], send, recv)``:
-        allocated once per head configuration by the first layer that asks (before any capture:
-        the target's layers, and a draft's whose heads differ) for every batch up to ``max_bs``,
-        views after."""
-        kvp_size = self.kvp_size
-        key = (num_heads, num_kv_heads, v_head_dim, dtype, splits)
+    def workspace(self, num_tokens, num_heads, num_kv_heads, v_head_dim, dtype, policy):
+        """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], send, recv)``: allocated once per head
+        configuration (the target's, a draft's whose heads differ) for every batch up to ``max_bs``,
+        by the hook that first asks (before any capture), views after."""
+        key = (num_heads, num_kv_heads, v_head_dim, dtype, policy)
         if key not in self._workspaces:
-            rows = splits.workspace_rows(self.max_bs, num_heads, num_kv_heads)
-            tensors = self._allocate(num_heads, v_head_dim, dtype, rows, kvp_size)
-            self._workspaces[key] = tensors
-        self._workspace = (key, self._workspaces[key])
-        logits, lse_s, num_kv_splits, send, recv = self._workspace[1]
-        T, S = num_tokens, splits.grid_splits(num_tokens, num_heads, num_kv_heads)
-        a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
+            rows = policy.workspace_rows(self.max_bs, num_heads, num_kv_heads)
+            a2a = a2a_buffer_shape(
+                self.max_bs, num_heads, v_head_dim, dtype, self.kvp_size
+            )
+            n, device = a2a[0] * a2a[1] * a2a[2] * a2a[3], self.device
+            self._workspaces[key] = (
+                torch.empty(
+                    rows * num_heads * v_head_dim, dtype=torch.float32, device=device
+                ),
+                torch.empty(rows * num_heads, dtype=torch.float32, device=device),
+                torch.empty(n, dtype=dtype, device=device),
+                torch.empty(n, dtype=dtype, device=device),
+            )
+        logits, lse, send, recv = self._workspaces[key]
+        T, S = num_tokens, policy.grid_splits(num_tokens, num_heads, num_kv_heads)
+        a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, self.kvp_size)
         n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
         return (
             logits[: T * num_heads * S * v_head_dim].view(T, num_heads, S, v_head_dim),
-            lse_s[: T * num_heads * S].view(T, num_heads, S),
-            num_kv_splits[:T],
+            lse[: T * num_heads * S].view(T, num_heads, S),
             send[:n].view(a2a),
             recv[:n].view(a2a),
         )
 
-    def _allocate(self, num_heads, v_head_dim, dtype, split_rows, kvp_size):
-        T, device = self.max_bs, self.device
-        a2a = a2a_buffer_shape(T, num_heads, v_head_dim, dtype, kvp_size)
-        n = a2a[0] * a2a[1] * a2a[2] * a2a[3]
-        return (
-            torch.empty(
-                split_rows * num_heads * v_head_dim, dtype=torch.float32, device=device
-            ),
-            torch.empty(split_rows * num_heads, dtype=torch.float32, device=device),
-            torch.ones(T, dtype=torch.int32, device=device),
-            torch.empty(n, dtype=dtype, device=device),
-            torch.empty(n, dtype=dtype, device=device),
-        )
+
+def list_bytes(max_bs: int, capacity: int, list_sets: int = 1) -> int:
+    """Bytes of ``list_sets`` sets of lists: ``kv_indptr``, ``kv_indices``, ``num_kv_splits``."""
+    return list_sets * (4 * (max_bs + 1) + 8 * capacity + 4 * max_bs)
 
 
-def buffer_bytes(
-    max_bs: int,
-    capacity: int,
-    num_heads: int,
-    v_head_dim: int,
-    dtype: torch.dtype,
-    split_rows: int,
-    kvp_size: int,
-) -> int:
-    """Bytes of one ``DcpGqaDecodeBuffers(max_bs, capacity)`` with its workspace: the lists, the split
-    buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``) and ``send``/``recv``.
-    """
-    lists = 4 * (max_bs + 1) + 8 * capacity
-    return lists + workspace_bytes(
-        max_bs, num_heads, v_head_dim, dtype, split_rows, kvp_size
-    )
-
-
-def workspace_bytes(
-    max_bs: int,
-    num_heads: int,
-    v_head_dim: int,
-    dtype: torch.dtype,
-    split_rows: int,
-    kvp_size: int,
-) -> int:
+def workspace_bytes(max_bs, num_heads, v_head_dim, dtype, split_rows, kvp_size) -> int:
     """Bytes of one head configuration's workspace (``DcpGqaDecodeBuffers.workspace``): the split
-    buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32, ``num_kv_splits``), ``send``/``recv``.
+    buffers (``split_rows`` rows of ``[H, Dv]`` + ``[H]`` fp32) and ``send``/``recv``.
     """
     a2a = a2a_buffer_shape(max_bs, num_heads, v_head_dim, dtype, kvp_size)
     elem = torch.empty((), dtype=dtype).element_size()
-    splits = 4 * split_rows * num_heads * (v_head_dim + 1) + 4 * max_bs
-    return splits + 2 * elem * a2a[0] * a2a[1] * a2a[2] * a2a[3]
+    return (
+        4 * split_rows * num_heads * (v_head_dim + 1)
+        + 2 * elem * a2a[0] * a2a[1] * a2a[2] * a2a[3]
+    )
+
+
+def draft_list_sets() -> int:
+    """List sets the one buffer set holds: one per draft decode step of EAGLE / STANDALONE
+    speculation (``--speculative-num-steps`` - 1, every step's lists built before the steps run),
+    else one (a decode)."""
+    if not _has_draft_steps():
+        return 1
+    return max(1, (get_spec().speculative_num_steps or 1) - 1)
+
+
+def _has_draft_steps() -> bool:
+    alg = (
+        get_spec().speculative_algorithm
+    )  # NGRAM's top-k shapes its verify; it has no draft steps
+    return not (alg is None or str(alg).upper() == "NGRAM")
 
 
 def reserved_batch() -> int:
@@ -294,17 +297,14 @@ def reserved_batch() -> int:
         or config.decode.backend == Backend.DISABLED
     ):
         return 0
-    # NGRAM's top-k shapes its verify; it has no draft steps
-    alg = get_spec().speculative_algorithm
-    ngram = alg is None or str(alg).upper() == "NGRAM"
-    topk = None if ngram else get_spec().speculative_eagle_topk
+    topk = get_spec().speculative_eagle_topk if _has_draft_steps() else None
     return max(get_exec().graph.cuda_graph_config.decode.bs or [0]) * max(1, topk or 1)
 
 
 def graph_buffer_bytes(kvc) -> int:
-    """What the one decode buffer set (``reserved_batch()`` requests at the model's context; graphs and
-    every eager batch that fits use it) allocates on this rank, for the KV pool sizing to charge; 0
-    outside the GQA mode or without decode graphs."""
+    """What the one decode buffer set (``reserved_batch()`` tokens at the model's context, a list set
+    per draft step; graphs and every eager batch that fits use it) allocates on this rank, for the
+    KV pool sizing to charge; 0 outside the GQA mode or without decode graphs."""
     from sglang.srt.runtime_context import get_exec
     from sglang.srt.utils import get_device_core_count
 
@@ -323,14 +323,8 @@ def graph_buffer_bytes(kvc) -> int:
         min_splits, max(min_splits, DCP_GQA_MAX_KV_SPLITS), get_device_core_count()
     )
     rows = policy.workspace_rows(max_bs, num_heads, num_kv_heads)
-    total = buffer_bytes(
-        max_bs,
-        capacity,
-        num_heads,
-        model_config.v_head_dim,
-        model_config.dtype,
-        rows,
-        kvp,
+    total = list_bytes(max_bs, capacity, draft_list_sets()) + workspace_bytes(
+        max_bs, num_heads, model_config.v_head_dim, model_config.dtype, rows, kvp
     )
     draft = draft_heads(model_config, tpa)
     if draft is not None and draft != (
@@ -371,8 +365,10 @@ def draft_heads(model_config, tpa: int) -> Optional[Tuple[int, int, int]]:
 
 
 class DcpGqaDecodeState:
-    """This rank's GQA-mode decode lists for the Triton backend: ``prepare_eager``, ``init_graph_state``
-    (once), ``prepare_in_graph`` (capture); ``dcp_gqa_attention`` reads ``metadata``."""
+    """This rank's GQA-mode decode buffers for the Triton backend, shared by every Triton backend over
+    one request table (the target's, a draft's per-step ones): ``prepare`` builds a decode's (or a
+    draft step's) metadata for ``init_forward_metadata`` and, into the graph buffers that
+    ``init_graph_state`` allocated once, for ``init_forward_metadata_in_graph``."""
 
     def __init__(
         self,
@@ -382,6 +378,7 @@ class DcpGqaDecodeState:
         chunk: int,
         reserved_bs: int = 0,
         max_context_len: Optional[int] = None,
+        list_sets: int = 1,
     ):
         self.req_to_token = req_to_token
         self.reserved_bs = (
@@ -389,22 +386,16 @@ class DcpGqaDecodeState:
         )
         # ... for requests of the model's context length, as the charge counts them
         self.max_context_len = max_context_len or req_to_token.shape[1]
+        self.list_sets = list_sets  # one per draft step (draft_list_sets)
         self.kvp_rank, self.kvp_size, self.chunk = kvp_rank, kvp_size, chunk
         self.device = req_to_token.device
         self.graph: Optional[DcpGqaDecodeBuffers] = None
-        self.metadata: Optional[DcpGqaDecodeMetadata] = None
-        # A draft decode step is being captured (prepare_in_graph): its first layer fills the
-        # graph buffers from device values only (prepare_draft_step without a host bound).
-        self.draft_in_graph = False
 
     @classmethod
-    def for_this_rank(
-        cls, req_to_token_pool, max_context_len: Optional[int] = None
-    ) -> Optional["DcpGqaDecodeState"]:
+    def for_this_rank(cls, req_to_token_pool, max_context_len: Optional[int] = None):
         """This rank's state in DCP's GQA mode, else None, owned by the request-table pool
-        (``req_to_token_pool.dcp_gqa_decode``): every Triton backend over that table (the target's, a
-        draft's per-step ones, run one at a time) shares the one buffer set the pool sizing charged.
-        """
+        (``req_to_token_pool.dcp_gqa_decode``): every Triton backend over that table shares the one
+        buffer set the pool sizing charged."""
         parallel = get_parallel()
         if not parallel.dcp_gqa_mode:
             return None
@@ -417,28 +408,100 @@ class DcpGqaDecodeState:
                 parallel.dcp_interleave_size,
                 reserved_batch(),
                 max_context_len,
+                draft_list_sets(),
             )
             req_to_token_pool.dcp_gqa_decode = state
         return state
 
-    # -- the one implementation -----------------------------------------------------------
+    def prepare(
+        self, forward_batch, backend, in_graph: bool = False
+    ) -> DcpGqaDecodeMetadata:
+        """The lists and workspace of a decode on ``backend`` (a TritonAttnBackend: its heads, split
+        policy and ``dcp_draft_step``). A decode lists each request's positions ``[0, seq_len)`` this
+        rank owns; draft decode step ``i`` (prepared with the others before the steps run, from the
+        step-0 positions) ``[0, position + i + 1)``. Eager (``in_graph`` False): the charged set when
+        the batch fits it, else buffers of this step only, as upstream's eager decode allocates its
+        split buffers. In a graph: the graph buffers, device ops only, shapes from ``[B]``/``[T]``.
+        """
+        step = backend.dcp_draft_step
+        ends = forward_batch.seq_lens  # [B]
+        if step is not None:  # [B], a tree's [T]
+            ends = forward_batch.positions.to(torch.int64) + (step + 1)
+        T = ends.shape[0]
+        buffers = (
+            self.graph if in_graph else self._eager_buffers(forward_batch, T, step)
+        )
+        if buffers is None:
+            raise RuntimeError(
+                "dcp gqa decode: init_graph_state was not called before capture"
+            )
+        list_set = (
+            step if step is not None and buffers.fixed else 0
+        )  # a step's own buffers: one set
+        if list_set >= buffers.kv_indptr.shape[0]:
+            raise RuntimeError(
+                f"dcp gqa decode: draft step {step} has no list set of its own "
+                f"({buffers.kv_indptr.shape[0]} sized by --speculative-num-steps)"
+            )
+        kv_indptr, local_lens = self._fill(buffers, list_set, forward_batch, ends)
+        policy = kv_split_policy(backend)
+        heads, kv_heads = backend.num_head, backend.num_kv_head
+        logits, lse, send, recv = buffers.workspace(
+            T, heads, kv_heads, backend.v_head_dim, backend.dcp_gqa_dtype, policy
+        )
+        num_kv_splits = buffers.num_kv_splits[list_set, :T]
+        num_kv_splits_by_local_len(
+            num_kv_splits,
+            local_lens,
+            heads,
+            kv_heads,
+            logits.shape[2],
+            policy.core_count,
+        )
+        kv_indices = buffers.kv_indices[list_set]
+        return DcpGqaDecodeMetadata(
+            kv_indptr, kv_indices, num_kv_splits, logits, lse, send, recv
+        )
 
-    def fill(
+    def _eager_buffers(self, forward_batch, num_tokens: int, step: Optional[int]):
+        """The charged set (allocated at the first decode) if this batch fits it, else a step's own.
+        The host bound of a draft step's lists: the committed length plus the most tokens a draft
+        may write past it (``max_speculative_num_draft_tokens``, adaptive speculation's largest).
+        """
+        ends_cpu = [int(n) for n in forward_batch.seq_lens_cpu]
+        if step is not None:
+            bound = max_speculative_num_draft_tokens() or 1
+            ends_cpu = [
+                n + bound for n in ends_cpu for _ in range(num_tokens // len(ends_cpu))
+            ]
+        total = int(
+            local_kv_lens(ends_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum()
+        )
+        if self.graph is None and self.reserved_bs:
+            self.graph = self._buffers(self.reserved_bs, self.max_context_len)
+        if (
+            self.graph is not None
+            and num_tokens <= self.graph.max_bs
+            and total <= self.graph.capacity
+        ):
+            return self.graph  # one set of buffers, not two
+        return DcpGqaDecodeBuffers(
+            num_tokens, max(total, 1), self.kvp_size, self.device, fixed=False
+        )
+
+    def _fill(
         self,
         buffers: DcpGqaDecodeBuffers,
+        list_set: int,
         forward_batch,
-        kv_ends: Optional[torch.Tensor] = None,
-    ) -> DcpGqaDecodeMetadata:
-        """Write the batch's lists into ``buffers`` in place: device ops, shapes from ``[B]``/``[T]``.
-        Each request lists the positions ``[0, kv_ends)`` this rank owns (default ``seq_lens``).
+        ends: torch.Tensor,
+    ):
+        """Write the lists of ``[0, ends)`` into ``buffers``' set ``list_set`` in place (upstream DCP's
+        list kernel at ``interleave_size = chunk``): ``(kv_indptr [T+1], local_lens [T])``.
         """
         k, n, c = self.kvp_rank, self.kvp_size, self.chunk
-        batch = forward_batch.req_pool_indices.shape[0]
-        ends = (
-            forward_batch.seq_lens if kv_ends is None else kv_ends
-        )  # [B], or a tree draft step's [T]
-        kv_indptr = buffers.kv_indptr[: ends.shape[0] + 1]
-        local_lens = local_kv_lens(ends, k, n, c)  # [B] / [T]
+        kv_indptr = buffers.kv_indptr[list_set, : ends.shape[0] + 1]
+        local_lens = local_kv_lens(ends, k, n, c)  # [T]
         torch.cumsum(local_lens, dim=0, dtype=torch.int32, out=kv_indptr[1:])
         slots, lens, offsets, starts = (
             forward_batch.req_pool_indices,
@@ -446,6 +509,7 @@ class DcpGqaDecodeState:
             kv_indptr,
             None,
         )
+        batch = slots.shape[0]
         if (
             ends.shape[0] != batch and batch
         ):  # a tree draft step: the prefix, then the branch's drafts
@@ -459,21 +523,15 @@ class DcpGqaDecodeState:
                 lens,
                 offsets,
                 starts,
-                buffers.kv_indices,
+                buffers.kv_indices[list_set],
                 self.req_to_token.stride(0),
                 n,
                 k,
                 interleave_size=c,
             )
-        return DcpGqaDecodeMetadata(kv_indptr, buffers.kv_indices, local_lens, buffers)
+        return kv_indptr, local_lens
 
-    def _tree_segments(
-        self,
-        forward_batch,
-        ends: torch.Tensor,
-        local_lens: torch.Tensor,
-        kv_indptr: torch.Tensor,
-    ):
+    def _tree_segments(self, forward_batch, ends, local_lens, kv_indptr):
         """A tree draft step (top-k tokens per request): token ``m`` of branch ``t`` lists the
         committed prefix ``[0, seq_len)`` and its branch's drafts, which ``prepare_for_draft`` puts
         on the branch's own pages, ``t * num_new_pages * page`` rows past ``seq_len`` (a multiple of
@@ -484,12 +542,11 @@ class DcpGqaDecodeState:
         topk = ends.shape[0] // forward_batch.req_pool_indices.shape[0]
         seq = forward_batch.seq_lens.to(torch.int64).repeat_interleave(topk)  # [T]
         page, steps = c * n, get_spec().speculative_num_steps
-        branch = torch.arange(topk, device=seq.device).repeat(
-            forward_batch.req_pool_indices.shape[0]
-        )
+        batch = forward_batch.req_pool_indices.shape[0]
+        branch = torch.arange(topk, device=seq.device).repeat(batch)
         start = (
             seq + branch * ((seq % page + steps + page - 1) // page) * page
-        )  # [T] row of the branch's first draft
+        )  # [T] branch's first draft
         prefix_lens = local_kv_lens(
             seq, k, n, c
         )  # [T]; the branch: local_lens - prefix_lens
@@ -503,73 +560,11 @@ class DcpGqaDecodeState:
             pair(torch.zeros_like(start), start),
         )
 
-    # -- eager ----------------------------------------------------------------------------
-
-    def prepare_eager(self, forward_batch, kv_ends=None, kv_ends_cpu=None) -> None:
-        """Eager decode: grow the buffers on the host if needed, then fill. A draft step (a decode with
-        ``spec_info``) is filled by ``prepare_draft_step``, when its writes and positions are bound.
-        """
-        self.draft_in_graph = False
-        if kv_ends is None and forward_batch.spec_info is not None:
-            self.metadata = None
-            return
-        if kv_ends is None:
-            kv_ends_cpu = forward_batch.seq_lens_cpu
-        batch, num_tokens = (
-            forward_batch.req_pool_indices.shape[0],
-            forward_batch.out_cache_loc.shape[0],
-        )
-        total = int(
-            local_kv_lens(kv_ends_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum()
-        )
-        if (
-            self.graph is None and self.reserved_bs
-        ):  # the charged set, at the first decode
-            self.graph = self._buffers(self.reserved_bs, self.max_context_len)
-        graph = self.graph
-        if (
-            graph is not None
-            and max(batch, num_tokens) <= graph.max_bs
-            and total <= graph.capacity
-        ):
-            self.metadata = self.fill(
-                graph, forward_batch, kv_ends
-            )  # one set of buffers, not two
-            return
-        # A batch beyond the charged set (more requests than the largest graph batch): buffers of
-        # this step only, as upstream's eager decode allocates its split buffers per step (from the
-        # activation memory), never kept past it.
-        step = DcpGqaDecodeBuffers(
-            max(batch, num_tokens),
-            max(total, 1),
-            self.kvp_size,
-            self.device,
-            fixed=False,
-        )
-        self.metadata = self.fill(step, forward_batch, kv_ends)
-
-    def prepare_draft_step(
-        self, forward_batch, kv_ends: torch.Tensor, kv_ends_cpu: Optional[list] = None
-    ) -> None:
-        """A speculative draft decode step: its lists end at each token's position + 1 (``kv_ends``
-        ``[B]``, a tree's ``[T]``), past ``seq_lens``. Eager: ``kv_ends_cpu`` bounds them on the host.
-        In a CUDA graph (``kv_ends_cpu`` None) the graph buffers, sized for the largest step's
-        tokens at the model's context, take them: device ops only, shapes from ``[T]``.
-        """
-        if kv_ends_cpu is None:
-            if self.graph is None:
-                raise RuntimeError(
-                    "dcp gqa decode: init_graph_state was not called before a draft step's capture"
-                )
-            self.metadata = self.fill(self.graph, forward_batch, kv_ends)
-            return
-        self.prepare_eager(forward_batch, kv_ends, kv_ends_cpu)
-
     # -- CUDA graph -----------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int, max_context_len: int) -> torch.Tensor:
-        """Allocate the graph buffers once (``max_bs`` requests of ``max_context_len``); returns the KV
-        index buffer (1/KVP of upstream's rows), which the backend may hold as its own.
+        """Allocate the graph buffers once (``max_bs`` tokens of ``max_context_len``); returns the
+        first list set's KV index buffer (1/KVP of upstream's rows), which the backend may hold.
         """
         if self.kvp_rank == 0:
             logger.warning(
@@ -584,29 +579,17 @@ class DcpGqaDecodeState:
             or graph.capacity < self._capacity(max_bs, max_context_len)
         ):
             self.graph = self._buffers(max_bs, max_context_len)
-        return self.graph.kv_indices
+        return self.graph.kv_indices[0]
 
     def _capacity(self, max_bs: int, max_context_len: int) -> int:
+        # rank 0 owns the most
         return max_bs * int(
             local_kv_lens(max_context_len, 0, self.kvp_size, self.chunk)
-        )  # rank 0 owns the most
-
-    def _buffers(self, max_bs: int, max_context_len: int) -> DcpGqaDecodeBuffers:
-        """One fixed set for ``max_bs`` requests of up to ``max_context_len`` tokens."""
-        capacity = self._capacity(max_bs, max_context_len)
-        return DcpGqaDecodeBuffers(
-            max_bs, capacity, self.kvp_size, self.device, fixed=True
         )
 
-    def prepare_in_graph(self, forward_batch) -> None:
-        """Graph capture (and warm-up): fill the graph buffers from the runner's static inputs. A
-        draft decode step (``spec_info``) is filled by its first layer, once the step's positions
-        and writes are bound (``prepare_draft_step``, no host bound)."""
-        if self.graph is None:
-            raise RuntimeError(
-                "dcp gqa decode: init_graph_state was not called before capture"
-            )
-        self.draft_in_graph = forward_batch.spec_info is not None
-        self.metadata = (
-            None if self.draft_in_graph else self.fill(self.graph, forward_batch)
+    def _buffers(self, max_bs: int, max_context_len: int) -> DcpGqaDecodeBuffers:
+        """One fixed set for ``max_bs`` tokens of up to ``max_context_len``, a list set per draft step."""
+        capacity = self._capacity(max_bs, max_context_len)
+        return DcpGqaDecodeBuffers(
+            max_bs, capacity, self.kvp_size, self.device, True, self.list_sets
         )
