@@ -170,10 +170,10 @@ def test_speculative_forwards_are_exact(monkeypatch, backend_name):
                     assert filled[r] == before + draft_steps, "each draft step's lists are built once, before the steps"
                 backend = drafts[r].attn_backends[step]
             else:
-                init_forward_metadata(backend, batch)
-            if not triton:  # a chain draft step's rows (TorchNativeMultiStepDraftBackend, top-k 1): the request's
-                ends = batch.seq_lens + step + 1
-                backends[r].draft_decode_metadata = (req_to_token, batch.req_pool_indices, ends, ends.clone()) if mode == "draft" else None
+                if not triton:  # a chain draft step's rows (TorchNativeMultiStepDraftBackend, top-k 1): the request's
+                    ends = batch.seq_lens + step + 1
+                    backend.draft_decode_metadata = (req_to_token, batch.req_pool_indices, ends, ends.clone()) if mode == "draft" else None
+                init_forward_metadata(backend, batch)  # (a torch draft step's: with its writes bound)
             before = dict(filled)
             with monkeypatch.context() as m:
                 if triton and mode in ("draft", "verify"):  # no device-to-host read (on a GPU: a sync)
@@ -238,7 +238,7 @@ def _owned_kv(pools, locs):
 
 def _run_ranks(monkeypatch, backends, layer, batch_of, q, k, v, partials, init=True):
     """Every rank's Helix attention of one forward (after its ``init_forward_metadata``, unless the
-    lists were built before: a Triton draft step's); the ranks' partials merged ``[T, H, D]``."""
+    lists were built before: a draft step's, by the multi-step draft backend); the ranks' partials merged ``[T, H, D]``."""
     partials.clear()
     T = q.shape[0]
     for r, backend in enumerate(backends):
@@ -303,9 +303,11 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
     new_pages = (seq % page + STEPS_T + page - 1) // page
     start = (seq[:, None] + torch.arange(TOPK)[None, :] * new_pages[:, None] * page).reshape(-1)  # [B * topk]
     req_of = torch.arange(len(reqs)).repeat_interleave(TOPK)
+    # the round's writes as the draft worker allocates them, [B * topk * num_steps] laid out (b, t, step)
+    writes = req_to_token[slots[req_of][:, None], start[:, None] + torch.arange(STEPS_T)].long().reshape(-1)
     round_batch = SimpleNamespace(
         forward_mode=ForwardMode.DECODE, spec_info=SPEC, seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=slots,
-        out_cache_loc=req_to_token[slots[req_of], start].long(), positions=seq[req_of],  # the step-0 tokens'
+        out_cache_loc=writes, positions=seq[req_of],  # the step-0 tokens'
     )  # fmt: skip
     for r, m in enumerate(multi):  # once per draft round, before its steps (as the draft worker does)
         parallel = SimpleNamespace(attn_dcp_rank=r, attn_dcp_size=KVP, dcp_interleave_size=CHUNK, dcp_group=None, dcp_comm_backend="a2a")
@@ -324,7 +326,7 @@ def test_tree_draft_steps_and_tree_verify_are_exact(monkeypatch, backend_name):
             if triton:  # no device-to-host read in a draft step (on a GPU: a sync)
                 for name in ("item", "tolist", "cpu", "numpy"):
                     mp.setattr(torch.Tensor, name, _forbid(name))
-            out = _run_ranks(monkeypatch, step_backends, layer, lambda r: fb, q, k, v, partials, init=not triton)
+            out = _run_ranks(monkeypatch, step_backends, layer, lambda r: fb, q, k, v, partials, init=False)
         for t in range(T):
             b = int(req_of[t])
             locs = torch.cat([req_to_token[slots[b], : seq[b]], req_to_token[slots[b], start[t] : start[t] + step + 1]])

@@ -64,10 +64,11 @@ def dcp_torch_metadata(
     draft_rows=None,
 ) -> Optional[DcpTorchMetadata]:
     """This forward's lists, for the backend's ``init_forward_metadata``; ``req_to_token [R,
-    max_context]`` the backend's table. None for an idle batch and for a speculative draft decode
-    step, whose writes are bound only when the step runs: its first layer builds them from
-    ``draft_rows``, the draft backend's ``(table, slots, kv_ends, kv_ends_cpu)``, a row per draft
-    token with tree branches moved up to seq_len."""
+    max_context]`` the backend's table. A speculative draft decode step's come from ``draft_rows``,
+    the draft backend's ``(table, slots, kv_ends, kv_ends_cpu)``, a row per draft token with tree
+    branches moved up to seq_len, and the step's writes (the multi-step draft backend binds them
+    before the steps run). None for an idle batch, and for a draft step without its rows.
+    """
     mode = forward_batch.forward_mode
     if forward_batch.out_cache_loc is None or mode.is_idle():
         return None
