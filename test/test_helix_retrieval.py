@@ -21,7 +21,7 @@ keys at 10 % and 90 % depth of a ~2K-token prompt and at 50 % of a ~4K-token one
 DCP's own spelling (``--dcp-size 3 --dcp-comm-backend a2a --dcp-replicate-q-proj``: chunk 1),
 prefill in chunks that straddle ownership chunks (``--chunked-prefill-size 100``, chunk 64), keys
 at 10 % and 90 % of ~4K tokens, prompts near the model's 8K context, and the triton backend
-(interpreted: slow); and, each in its own test below, the radix cache with one ~2K-token prefix
+(interpreted: over an hour; a ~512-token prompt); and, each in its own test below, the radix cache with one ~2K-token prefix
 shared by four prompts that each hold their own key right after it (the first alone, then three
 at once; ``--enable-cache-report`` shows the hits), speculation against plain TP without it (the
 model as its own STANDALONE draft, a chain of 4 and a tree of top-k 2 / 6 tokens, as
@@ -43,8 +43,10 @@ step), passed at BF16_ATOL 0.25 in 324 s (the same keys retrieved, plain TP bflo
 chosen tokens' logprobs at most 0.055 apart). Every key retrieved in each, and the float32 cases
 within the 1e-4-nat tolerance of plain TP's logprobs. The STANDALONE tree: 258 s, passed (2026-11-27 16:02, nothing else running). ``--tp 9
 --helix-kvp-size 3``: 303 s, passed; the 8K prompts: 349 s, passed (2026-11-27 18:29-18:39, their
-plain-TP references included, nothing else running). Not run: triton (a 30-layer model's extend
-under the Triton interpreter is estimated at well over an hour a server on 2 cores). The
+plain-TP references included, nothing else running). Triton (``--attention-backend triton``, kernels
+interpreted: a 2K-token prefill ran ~10 minutes a layer on 2 cores, so one key at 50 % of a 510-token
+prompt): 4,068 s, passed, the key retrieved with plain TP's tokens, max |logprob - plain TP's|
+1.1e-7 (2026-11-27 20:33-21:41, the unit tier running beside it). The
 mutation check (one KV chunk dropped on one rank: this test and the random-model e2e test both
 fail): ``benchmark/results/retrieval-mutation.md``.
 """
