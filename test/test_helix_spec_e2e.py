@@ -257,8 +257,8 @@ def triton_run(base_url: str) -> dict:
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
 def test_helix_triton_serves_plain_tp_tokens(model_dir, server_log_dir, eagle_draft, algorithm):
     """Triton (kernels interpreted, ~10 min a server): the verify is the three-call extend over
-    the owned keys, each draft step's decode lists end at its position (filled by its first
-    layer). Plain TP's tokens and logprobs, the target-as-draft's verifies and accepted drafts per
+    the owned keys, each draft step's decode lists end at its position (built by its step
+    backend's ``init_forward_metadata`` before the steps run). Plain TP's tokens and logprobs, the target-as-draft's verifies and accepted drafts per
     prompt equal to plain TP + the same speculation's, every rank's KV back."""
     ref = reference(model_dir, server_log_dir)
     model = model_dir(GQA)
