@@ -35,7 +35,7 @@ from test_helix_fp8_kv import (  # noqa: E402
 )  # fmt: skip
 from sglang.kernels.ops.attention.dcp_kernels import dcp_lse_combine_triton  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
-from sglang.srt.layers.dcp import gqa_attention as attention, gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.dcp import gqa_layout as kv_layout  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend  # noqa: E402
 from sglang.srt.layers.dcp import gqa_decode as decode_state  # noqa: E402
 from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState  # noqa: E402
