@@ -135,10 +135,11 @@ def rank_checksums(model_dir, server_log_dir, layout) -> tuple:
 
 
 @pytest.mark.e2e
-# The default run: K = 1 Helix (a server test_helix_capacity.py shares in the full tier) and plain
-# TP (the baseline's plain --tp 4 server).
+# The default run: plain TP (the baseline's plain --tp 4 server, no server of its own). The Helix
+# layouts with HELIX_TEST_FULL=1 (K = 1 was the default run's until 2026-11-28, moved for CI time:
+# every Helix server of the default run gives plain TP's logprobs, which a misplaced shard breaks).
 @pytest.mark.parametrize(
-    "layout", [pytest.param(x, id=layout_id(x), marks=() if x in (HELIX_K1, PLAIN_K4) else FULL) for x in LAYOUTS]
+    "layout", [pytest.param(x, id=layout_id(x), marks=() if x == PLAIN_K4 else FULL) for x in LAYOUTS]
 )
 def test_rank_weight_shards_match_checkpoint(model_dir, server_log_dir, layout):
     model_path, got = rank_checksums(model_dir, server_log_dir, layout)

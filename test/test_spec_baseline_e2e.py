@@ -208,6 +208,8 @@ def test_eagle_triton_matches_plain_tp(model_dir, server_log_dir, eagle_draft):
 
 
 @pytest.mark.e2e
+@FULL  # since 2026-11-28, for CI time: the default run serves plain TP's torch_native tree draft
+# (test_helix_spec_e2e.py's tree test, against plain TP without speculation)
 def test_standalone_torch_native_matches_plain_tp(model_dir, server_log_dir):
     """The series' torch_native draft decode and target verify (upstream 0.5.23 stopped at start:
     "EAGLE is not supported in decode attention backend torch_native"): STANDALONE, the target
