@@ -291,6 +291,72 @@ def test_torch_attention_empty_shard_is_neutral():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
 
 
+@pytest.mark.parametrize("mode", ["decode", "decode-one", "chain", "tree"])
+@pytest.mark.parametrize("dcp_rank", [0, 1])
+def test_a_decode_or_verify_batch_attends_at_once_as_request_by_request(mode, dcp_rank):
+    """``dcp_partial_attention`` of a decode or verify batch (one call over the lists padded to the
+    longest, ``_pad_lists``) equals ``partial_attention`` request by request over each request's
+    own list: ragged lengths, a request this rank owns no key of (rank 1: 3 tokens, all in rank
+    0's first chunk), a chain verify's causal mask and a tree verify's mask at the owned keys, and
+    a lone request whose keys are one run of rows (read as a view of the pool)."""
+    from sglang.srt.layers.dcp import torch_attention as ta
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    dcp, chunk, Q, H, Hk, D = 2, 4, 3, 8, 2, 16
+    page = dcp * chunk
+    verify = mode in ("chain", "tree")
+    kv_ends = {"decode": [3, 13, 22], "decode-one": [21], "chain": [3, 13, 22], "tree": [4, 13, 22]}[mode]
+    seq_lens = [e - Q for e in kv_ends] if verify else kv_ends
+    g = torch.Generator().manual_seed(dcp_rank * 7 + len(mode))
+    # request b's logical ids: its own pages, loc % page == position % page
+    table = torch.zeros(len(kv_ends), 64, dtype=torch.int32)
+    for b in range(len(kv_ends)):
+        table[b] = torch.arange(64, dtype=torch.int32) + (1 + 8 * b) * page
+    new_pos = [list(range(s, e)) for s, e in zip(seq_lens, kv_ends)] if verify else [[e - 1] for e in kv_ends]
+    positions = torch.tensor([p for ps in new_pos for p in ps])
+    out_cache_loc = torch.cat([table[b, ps].long() for b, ps in enumerate(new_pos)])
+    spec, mask_rows = None, []
+    if verify:
+        spec = SimpleNamespace(draft_token_num=Q, tree_topk=2 if mode == "tree" else 1, custom_mask=None)
+        for s in seq_lens:  # [Q, s + Q]: the prefix, then a tree (each draft sees its ancestors)
+            tree = torch.tril(torch.randint(0, 2, (Q, Q), generator=g)).bool() | torch.eye(Q, dtype=torch.bool)
+            mask_rows.append(torch.cat([torch.ones(Q, s, dtype=torch.bool), tree], dim=1))
+        spec.custom_mask = torch.cat([m.flatten() for m in mask_rows])
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY if verify else ForwardMode.DECODE,
+        out_cache_loc=out_cache_loc, spec_info=spec, positions=positions,
+        req_pool_indices=torch.arange(len(kv_ends)), seq_lens=torch.tensor(seq_lens), seq_lens_cpu=torch.tensor(seq_lens),
+    )  # fmt: skip
+    meta = ta.dcp_torch_metadata(batch, table, dcp, dcp_rank, chunk)
+    assert meta.padded_rows is not None
+    if mode == "decode-one":  # its keys are one run of rows: the batch reads a view of the pool
+        assert meta.kv_run_starts[0] is not None
+    rows = meta.kv_indices
+    pool_k = torch.randn(256, Hk, D, generator=g)
+    pool_v = torch.randn(256, Hk, D, generator=g)
+    pool = SimpleNamespace(get_key_buffer=lambda i: pool_k, get_value_buffer=lambda i: pool_v, dtype=torch.float32)
+    layer = SimpleNamespace(layer_id=0, scaling=D**-0.5, v_head_dim=D, k_scale=None, v_scale=None)
+    q = torch.randn(len(positions), H, D, generator=g)
+    out, lse = ta.dcp_partial_attention(layer, q, batch, meta, pool)
+
+    host, start, empty = meta.kv_indptr_host, 0, 0
+    for b, ps in enumerate(new_pos):
+        tok = slice(start, start + len(ps))
+        start += len(ps)
+        lo, hi = host[b], host[b + 1]
+        empty += hi == lo
+        key_pos = meta.kv_positions[lo:hi]
+        visible = mask_rows[b][:, key_pos] if mode == "tree" else None
+        query_pos = positions[tok] if mode == "chain" else None
+        want_out, want_lse = ta.partial_attention(
+            q[tok], pool_k[rows[lo:hi]], pool_v[rows[lo:hi]], layer.scaling, query_pos, key_pos, visible
+        )
+        assert torch.allclose(out[tok], want_out, atol=1e-6), (mode, b)
+        assert torch.equal(torch.isinf(lse[tok]), torch.isinf(want_lse)), (mode, b)
+        assert torch.allclose(lse[tok][~torch.isinf(want_lse)], want_lse[~torch.isinf(want_lse)], atol=1e-5)
+    assert empty == (1 if dcp_rank == 1 and kv_ends[0] <= chunk and mode != "decode-one" else 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end: upstream --dcp-size on a GQA Llama with torch_native
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ Triton kernels' DCP paths are tested against:
     dcp_torch_metadata(forward_batch, req_to_token [R, C], ...)   once per batch, by the backend's
         -> DcpTorchMetadata: the store's (owned tokens, rows), the local KV list    init_forward_metadata
     dcp_partial_attention(layer, q [T, H, D], forward_batch, meta, kv_pool)
-        -> out [T, H, Dv], lse [T, H] fp32                        per layer, per request
+        -> out [T, H, Dv], lse [T, H] fp32          per layer: a decode or verify batch at once
+                                                    (padded lists), an extend per request
     partial_attention(q [t, H, D], k [l, Hk, D], v [l, Hk, Dv], ...)
         -> out [t, H, Dv], lse [t, H] fp32
 
@@ -50,9 +51,11 @@ class DcpTorchMetadata:
     kv_positions: torch.Tensor
     kv_indptr_host: list
     kv_run_starts: list
-    tree_visible: Optional[list] = (
-        None  # a tree verify: per request [n, l], the owned keys' mask
-    )
+    # A decode or verify (every request the same number of new tokens, Q): the lists padded to
+    # the longest, so that a layer attends the whole batch in one call. rows [B, L] (0 where
+    # padded), the keys each query sees [B, Q, L] (decode: [B, 1, L], the same for its heads)
+    padded_rows: Optional[torch.Tensor] = None
+    padded_visible: Optional[torch.Tensor] = None
 
 
 def dcp_torch_metadata(
@@ -97,17 +100,43 @@ def dcp_torch_metadata(
         indptr_host,
         _run_starts(indices, indptr_host),
     )
-    tree = tree_mask_of(forward_batch)
-    if tree is not None:  # the mask's columns of the owned keys
-        mask, offsets = tree
-        nd, seq = forward_batch.spec_info.draft_token_num, forward_batch.seq_lens_cpu
-        meta.tree_visible = [
-            mask[offsets[b] : offsets[b] + nd * (int(seq[b]) + nd)]
-            .view(nd, -1)[:, positions[indptr_host[b] : indptr_host[b + 1]]]
-            .bool()
-            for b in range(len(indptr_host) - 1)
-        ]
+    if mode.is_decode() or mode.is_target_verify():
+        _pad_lists(meta, forward_batch)
     return meta
+
+
+def _pad_lists(meta: DcpTorchMetadata, forward_batch) -> None:
+    """A decode's or verify's ``padded_rows [B, L]`` and ``padded_visible [B, Q or 1, L]`` (see
+    ``DcpTorchMetadata``), from its lists; once per batch, on the device."""
+    indptr, host, device = meta.kv_indptr, meta.kv_indptr_host, meta.kv_indices.device
+    B = len(host) - 1
+    L = max((host[b + 1] - host[b] for b in range(B)), default=0)
+    col = torch.arange(L, device=device)
+    valid = col[None, :] < (indptr[1:] - indptr[:-1])[:, None]  # [B, L]
+    at = (indptr[:-1, None] + col[None, :]).clamp_(max=max(len(meta.kv_indices) - 1, 0))
+    if len(meta.kv_indices) == 0:  # this rank owns no key of the batch
+        meta.padded_rows = torch.zeros(B, L, dtype=torch.int64, device=device)
+        meta.padded_visible = valid[:, None, :]
+        return
+    meta.padded_rows = torch.where(valid, meta.kv_indices[at], 0)
+    if forward_batch.forward_mode.is_decode():  # a decode token sees every key
+        meta.padded_visible = valid[:, None, :]
+        return
+    key_pos = torch.where(valid, meta.kv_positions[at], 0)  # [B, L]
+    Q = forward_batch.spec_info.draft_token_num
+    tree = tree_mask_of(forward_batch)
+    if tree is not None:
+        # request b's rows of the tree's mask [Q, seq_len + Q], at the keys it owns here
+        mask, offsets = tree
+        width = forward_batch.seq_lens.to(device) + Q  # [B]
+        start = torch.tensor(offsets, device=device)  # [B]
+        row = torch.arange(Q, device=device)
+        flat = start[:, None, None] + row[None, :, None] * width[:, None, None]
+        visible = mask[flat + key_pos[:, None, :]].bool()  # [B, Q, L]
+    else:  # a chain: causal
+        query_pos = forward_batch.positions.view(B, Q).long()
+        visible = key_pos[:, None, :] <= query_pos[:, :, None]
+    meta.padded_visible = visible & valid[:, None, :]
 
 
 def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
@@ -140,34 +169,32 @@ def tree_mask_of(forward_batch) -> Optional[Tuple[torch.Tensor, list]]:
     return spec.custom_mask, offsets
 
 
-def query_lens_of(forward_batch, batch_size: int) -> list:
-    """Host ``[B]`` new tokens per request: 1 (decode), ``draft_token_num`` (target verify), or
-    the extend's lengths."""
-    mode = forward_batch.forward_mode
-    if mode.is_decode():
-        return [1] * batch_size
-    if mode.is_target_verify():
-        return [forward_batch.spec_info.draft_token_num] * batch_size
-    return forward_batch.extend_seq_lens_cpu
-
-
 def dcp_partial_attention(
     layer, q: torch.Tensor, forward_batch, meta: DcpTorchMetadata, kv_pool
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per request, ``partial_attention`` of ``q [T, H, D]`` over the keys this rank owns
-    (``meta``'s list, read as a view of the pool where they are one run of rows; an fp8 pool's
-    scales multiplied back): ``out [T, H, Dv]``, ``lse [T, H]`` fp32."""
+    """``partial_attention`` of ``q [T, H, D]`` over the keys this rank owns (``meta``'s lists;
+    an fp8 pool's scales multiplied back): ``out [T, H, Dv]``, ``lse [T, H]`` fp32. A decode or
+    verify attends the batch in one call over the padded lists (one request's one run of rows:
+    a view of the pool); an extend, whose per-request work dwarfs a loop, request by request.
+    """
     k_buf = kv_pool.get_key_buffer(layer.layer_id)
     v_buf = kv_pool.get_value_buffer(layer.layer_id)
     k_descale, v_descale = kv_scales(layer, kv_pool, q.dtype) or (1.0, 1.0)
     T, H, _ = q.shape
+    if meta.padded_rows is not None:
+        rows = meta.padded_rows  # [B, L]
+        B, L = rows.shape
+        if B == 1 and meta.kv_run_starts[0] is not None:
+            # one run of rows: a view of the pool, no copy
+            rows = slice(meta.kv_run_starts[0], meta.kv_run_starts[0] + L)
+        k = _read_rows(k_buf, rows, k_descale).view(B, L, *k_buf.shape[1:])
+        v = _read_rows(v_buf, rows, v_descale).view(B, L, *v_buf.shape[1:])
+        out, lse = _attend_batch(q, k, v, layer.scaling, meta.padded_visible)
+        return out.to(q.dtype), lse
     out = torch.zeros(T, H, layer.v_head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    indptr = meta.kv_indptr_host
-    decode = forward_batch.forward_mode.is_decode()  # a decode token sees every key
-    tree = meta.tree_visible  # a tree verify: per request, the owned keys' mask columns
-    start = 0
-    for b, q_len in enumerate(query_lens_of(forward_batch, len(indptr) - 1)):
+    indptr, start = meta.kv_indptr_host, 0
+    for b, q_len in enumerate(forward_batch.extend_seq_lens_cpu):
         lo, hi = indptr[b], indptr[b + 1]
         tok = slice(start, start + q_len)
         start += q_len
@@ -177,21 +204,13 @@ def dcp_partial_attention(
         run = meta.kv_run_starts[b]
         if run is not None:  # the same rows in the same order: a view, no copy
             rows = slice(run, run + hi - lo)
-        key_pos, query_pos, visible = meta.kv_positions[lo:hi], None, None
-        if (
-            tree is not None
-        ):  # request b's [n, l]: every prefix key, the tree keys by the mask
-            visible = tree[b]
-        elif not decode:
-            query_pos = forward_batch.positions[tok].long()
         out[tok], lse[tok] = partial_attention(
             q[tok],
             _read_rows(k_buf, rows, k_descale),
             _read_rows(v_buf, rows, v_descale),
             layer.scaling,
-            query_pos,
-            key_pos,
-            visible,
+            forward_batch.positions[tok].long(),
+            meta.kv_positions[lo:hi],
         )
     return out, lse
 
@@ -306,6 +325,48 @@ def _attend_cpu(q, k, v, scaling, mask):
     if mask is not None:  # a query that sees no key here: a neutral partial
         blind = ~mask.any(dim=1)
         o[blind], m[blind] = 0.0, -math.inf
+    return o, m
+
+
+def _attend_batch(q, k, v, scaling, visible):
+    """``q [B * Q, H, D]`` (request-major) over ``k [B, L, Hk, D]`` / ``v [B, L, Hk, Dv]``,
+    ``visible [B, Q or 1, L]``: ``(out [B * Q, H, Dv] fp32, lse [B * Q, H])``; a query that sees
+    no key: 0, -inf."""
+    B, L, num_kv_heads, _ = k.shape
+    T, H, D = q.shape
+    Q, group = T // B, H // num_kv_heads
+    out = torch.zeros(T, H, v.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    if L == 0 or T == 0:
+        return out, lse
+    if q.device.type != "cpu":  # fp32 scores [B, Hk, g, Q, L]
+        qb = q.float().reshape(B, Q, num_kv_heads, group, D)
+        s = torch.einsum("bqkgd,blkd->bkgql", qb, k) * scaling
+        s = s.masked_fill(~visible[:, None, None], float("-inf"))
+        m = torch.logsumexp(s, dim=-1)  # [B, Hk, g, Q]
+        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
+        o = torch.einsum("bkgql,blkd->bqkgd", p, v).reshape(T, H, -1)
+        return o, m.permute(0, 3, 1, 2).reshape(T, H)
+    # the CPU flash kernel: each KV head's query rows are its group's heads x the request's
+    # queries [B, Hk, g * Q, D]; the additive mask [B, 1, g * Q or 1, L]
+    qg = q.float().reshape(B, Q, num_kv_heads, group, D).permute(0, 2, 3, 1, 4)
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
+    bias = bias.masked_fill_(~visible, -math.inf)
+    if visible.shape[1] > 1:
+        bias = bias.repeat(1, group, 1)
+    o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg.reshape(B, num_kv_heads, group * Q, D),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        0.0,
+        False,
+        attn_mask=bias[:, None],
+        scale=scaling,
+    )  # [B, Hk, g * Q, Dv], [B, Hk, g * Q]
+    o = o.view(B, num_kv_heads, group, Q, -1).permute(0, 3, 1, 2, 4).reshape(T, H, -1)
+    m = m.view(B, num_kv_heads, group, Q).permute(0, 3, 1, 2).reshape(T, H)
+    blind = ~visible.any(dim=2).expand(B, Q).reshape(T)  # queries that see no key here
+    o[blind], m[blind] = 0.0, -math.inf
     return o, m
 
 
