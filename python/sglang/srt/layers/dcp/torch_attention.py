@@ -45,7 +45,7 @@ class DcpTorchMetadata:
     # the local KV list of positions [0, kv_end) (new tokens included): indptr [B+1], rows [L],
     # their global positions [L]; the indptr on the host, and per request the first row of its
     # list when the list is one ascending run of rows (r0, r0 + 1, ...), else None: then the
-    # layers read a view of the pool, no gather
+    # layers read a view of the pool, no gather (an extend's requests, a lone decode or verify)
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_positions: torch.Tensor
@@ -92,15 +92,22 @@ def dcp_torch_metadata(
         table, slots, kv_ends, total, k, n, c
     )
     indptr_host = indptr.tolist()  # (the CPU path: host values are free)
+    padded = mode.is_decode() or mode.is_target_verify()
+    batch_size = len(indptr_host) - 1
     meta = DcpTorchMetadata(
         (owned, rows[owned]),
         indptr,
         indices,
         positions,
         indptr_host,
-        _run_starts(indices, indptr_host),
+        # (a padded batch of several requests gathers: no run to look for)
+        (
+            [None] * batch_size
+            if padded and batch_size > 1
+            else _run_starts(indices, indptr_host)
+        ),
     )
-    if mode.is_decode() or mode.is_target_verify():
+    if padded:
         _pad_lists(meta, forward_batch)
     return meta
 
