@@ -339,24 +339,23 @@ def _attend_batch(q, k, v, scaling, visible):
     """``q [B * Q, H, D]`` (request-major) over ``k [B, L, Hk, D]`` / ``v [B, L, Hk, Dv]``,
     ``visible [B, Q or 1, L]``: ``(out [B * Q, H, Dv] fp32, lse [B * Q, H])``; a query that sees
     no key: 0, -inf."""
+    T, H, _ = q.shape
+    if k.shape[1] == 0 or T == 0:  # this rank owns no key of the batch
+        out = torch.zeros(T, H, v.shape[3], dtype=torch.float32, device=q.device)
+        return out, torch.full((T, H), float("-inf"), device=q.device)
+    if q.device.type == "cpu":
+        return _attend_batch_cpu(q.float(), k, v, scaling, visible)
+    return _attend_batch_scores(q.float(), k, v, scaling, visible)
+
+
+def _attend_batch_cpu(q, k, v, scaling, visible):
+    """``_attend_batch`` in one call of the CPU flash kernel: each KV head's query rows are its
+    group's heads x the request's queries ``[B, Hk, g * Q, D]``; the additive mask
+    ``[B, 1, g * Q or 1, L]``."""
     B, L, num_kv_heads, _ = k.shape
     T, H, D = q.shape
     Q, group = T // B, H // num_kv_heads
-    out = torch.zeros(T, H, v.shape[3], dtype=torch.float32, device=q.device)
-    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    if L == 0 or T == 0:
-        return out, lse
-    if q.device.type != "cpu":  # fp32 scores [B, Hk, g, Q, L]
-        qb = q.float().reshape(B, Q, num_kv_heads, group, D)
-        s = torch.einsum("bqkgd,blkd->bkgql", qb, k) * scaling
-        s = s.masked_fill(~visible[:, None, None], float("-inf"))
-        m = torch.logsumexp(s, dim=-1)  # [B, Hk, g, Q]
-        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
-        o = torch.einsum("bkgql,blkd->bqkgd", p, v).reshape(T, H, -1)
-        return o, m.permute(0, 3, 1, 2).reshape(T, H)
-    # the CPU flash kernel: each KV head's query rows are its group's heads x the request's
-    # queries [B, Hk, g * Q, D]; the additive mask [B, 1, g * Q or 1, L]
-    qg = q.float().reshape(B, Q, num_kv_heads, group, D).permute(0, 2, 3, 1, 4)
+    qg = q.reshape(B, Q, num_kv_heads, group, D).permute(0, 2, 3, 1, 4)
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
     bias = bias.masked_fill_(~visible, -math.inf)
     if visible.shape[1] > 1:
@@ -375,6 +374,19 @@ def _attend_batch(q, k, v, scaling, visible):
     blind = ~visible.any(dim=2).expand(B, Q).reshape(T)  # queries that see no key here
     o[blind], m[blind] = 0.0, -math.inf
     return o, m
+
+
+def _attend_batch_scores(q, k, v, scaling, visible):
+    """``_attend_batch`` through the fp32 scores ``[B, Hk, g, Q, L]`` (any device)."""
+    B, L, num_kv_heads, _ = k.shape
+    T, H, D = q.shape
+    Q, group = T // B, H // num_kv_heads
+    s = torch.einsum("bqkgd,blkd->bkgql", q.reshape(B, Q, num_kv_heads, group, D), k)
+    s = (s * scaling).masked_fill(~visible[:, None, None], float("-inf"))
+    m = torch.logsumexp(s, dim=-1)  # [B, Hk, g, Q]; -inf where nothing is visible
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
+    o = torch.einsum("bkgql,blkd->bqkgd", p, v).reshape(T, H, -1)
+    return o, m.permute(0, 3, 1, 2).reshape(T, H)
 
 
 def _attend_scores(q, k, v, scaling, mask):
