@@ -291,14 +291,14 @@ def test_torch_attention_empty_shard_is_neutral():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
 
 
-@pytest.mark.parametrize("mode", ["decode", "decode-one", "chain", "tree"])
+@pytest.mark.parametrize("mode", ["decode", "decode-one", "decode-short", "chain", "tree"])
 @pytest.mark.parametrize("dcp_rank", [0, 1])
 @pytest.mark.parametrize("path", ["_attend_batch_cpu", "_attend_batch_scores"])
 def test_a_decode_or_verify_batch_attends_at_once_as_request_by_request(mode, dcp_rank, path, monkeypatch):
     """``dcp_partial_attention`` of a decode or verify batch (one call over the lists padded to the
     longest, ``_pad_lists``) equals ``partial_attention`` request by request over each request's
     own list: ragged lengths, a request this rank owns no key of (rank 1: 3 tokens, all in rank
-    0's first chunk), a chain verify's causal mask and a tree verify's mask at the owned keys, and
+    0's first chunk) and a batch it owns no key of, a chain verify's causal mask and a tree verify's mask at the owned keys, and
     a lone request whose keys are one run of rows (read as a view of the pool); both ways the
     batch attends (the CPU flash kernel; the fp32 scores, for other devices)."""
     from sglang.srt.layers.dcp import torch_attention as ta
@@ -309,7 +309,7 @@ def test_a_decode_or_verify_batch_attends_at_once_as_request_by_request(mode, dc
     dcp, chunk, Q, H, Hk, D = 2, 4, 3, 8, 2, 16
     page = dcp * chunk
     verify = mode in ("chain", "tree")
-    kv_ends = {"decode": [3, 13, 22], "decode-one": [21], "chain": [3, 13, 22], "tree": [4, 13, 22]}[mode]
+    kv_ends = {"decode": [3, 13, 22], "decode-one": [21], "decode-short": [2, 3], "chain": [3, 13, 22], "tree": [4, 13, 22]}[mode]
     seq_lens = [e - Q for e in kv_ends] if verify else kv_ends
     g = torch.Generator().manual_seed(dcp_rank * 7 + len(mode))
     # request b's logical ids: its own pages, loc % page == position % page
@@ -358,7 +358,7 @@ def test_a_decode_or_verify_batch_attends_at_once_as_request_by_request(mode, dc
         assert torch.allclose(out[tok], want_out, atol=1e-6), (mode, b)
         assert torch.equal(torch.isinf(lse[tok]), torch.isinf(want_lse)), (mode, b)
         assert torch.allclose(lse[tok][~torch.isinf(want_lse)], want_lse[~torch.isinf(want_lse)], atol=1e-5)
-    assert empty == (1 if dcp_rank == 1 and kv_ends[0] <= chunk and mode != "decode-one" else 0)
+    assert empty == (sum(e <= chunk for e in kv_ends) if dcp_rank == 1 else 0)  # decode-short: every one
 
 
 # ---------------------------------------------------------------------------------------------
