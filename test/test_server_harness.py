@@ -108,6 +108,29 @@ def test_torch_compile_is_eager_in_the_default_tier_only():
     assert cpu_server_env(4, base={"TORCHDYNAMO_DISABLE": "0"})["TORCHDYNAMO_DISABLE"] == "0"
 
 
+def test_default_tier_servers_import_only_the_served_model_modules():
+    """The model registry imports every module of sglang.srt.models in the launcher and in each
+    rank; the default tier's servers skip those no test serves (SGLANG_DISABLED_MODEL_ARCHS), and
+    every architecture the tests write (``tiny_models.ARCHS``, the EAGLE head) is the EntryClass
+    of a module they keep. HELIX_TEST_FULL=1 imports them all; a caller's own value is kept."""
+    import importlib
+
+    from sglang_helix.testing.cpu_env import SERVED_MODEL_MODULES, cpu_server_env
+    from sglang_helix.testing.tiny_models import ARCHS
+
+    skipped = cpu_server_env(4, base={})["SGLANG_DISABLED_MODEL_ARCHS"].split(",")
+    assert len(skipped) > 200 and "deepseek_v2" in skipped and "gemma" in skipped
+    assert not set(skipped) & set(SERVED_MODEL_MODULES)
+    assert "SGLANG_DISABLED_MODEL_ARCHS" not in cpu_server_env(4, base={"HELIX_TEST_FULL": "1"})
+    assert cpu_server_env(4, base={"SGLANG_DISABLED_MODEL_ARCHS": ""})["SGLANG_DISABLED_MODEL_ARCHS"] == ""
+    served = set()
+    for name in SERVED_MODEL_MODULES:
+        entry = importlib.import_module(f"sglang.srt.models.{name}").EntryClass
+        served |= {cls.__name__ for cls in (entry if isinstance(entry, list) else [entry])}
+    wanted = {model_cls for _, model_cls, _ in ARCHS.values()} | {"LlamaForCausalLMEagle"}
+    assert wanted <= served, wanted - served
+
+
 def test_server_stop_skips_the_gpu_crash_diagnostics():
     """SIGTERM makes the server sleep 5 s before py-spy / CUDA coredump steps (both on upstream):
     every test server's stop paid it. The harness turns both off; a caller's own value is kept."""

@@ -6,6 +6,21 @@ import os
 
 STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgl_kernel_stub")
 
+# The model modules the test servers serve: the families the series opts in (and SmolLM2, a
+# Llama) and the Llama EAGLE head. Every other module of sglang.srt.models is skipped by the
+# default tier's servers (SGLANG_DISABLED_MODEL_ARCHS, below).
+SERVED_MODEL_MODULES = ("llama", "llama_eagle", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def unserved_model_modules() -> list[str]:
+    """Every module of ``sglang.srt.models`` but ``SERVED_MODEL_MODULES`` (read from the package's
+    directory: nothing is imported)."""
+    import importlib.util
+
+    (models_dir,) = importlib.util.find_spec("sglang.srt.models").submodule_search_locations
+    names = (f[:-3] for f in os.listdir(models_dir) if f.endswith(".py") and f != "__init__.py")
+    return sorted(n for n in names if n not in SERVED_MODEL_MODULES)
+
 
 def omp_threads_bind(num_ranks: int) -> str:
     """``SGLANG_CPU_OMP_THREADS_BIND``: one core per rank, round-robin over the usable cores.
@@ -48,6 +63,12 @@ def cpu_server_env(
     # HELIX_TEST_FULL=1 keeps upstream's compiled path. A caller's own TORCHDYNAMO_DISABLE wins.
     if env.get("HELIX_TEST_FULL") != "1":
         env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    # SGLang's model registry imports every module of sglang.srt.models (~250; 2.6 CPU-s) in the
+    # launcher and in every rank, for the one architecture a server serves. The default tier's
+    # servers skip the modules no test serves (upstream's own switch); HELIX_TEST_FULL=1 imports
+    # them all, as a user's server does. A caller's own SGLANG_DISABLED_MODEL_ARCHS wins.
+    if env.get("HELIX_TEST_FULL") != "1":
+        env.setdefault("SGLANG_DISABLED_MODEL_ARCHS", ",".join(unserved_model_modules()))
     # On SIGTERM the server sleeps 5 s "to let GPU activity settle" before py-spy / CUDA coredump
     # diagnostics (tokenizer_manager.py, both on by default): on the CPU there is no GPU activity
     # and no coredump, and every test server's stop paid the 5 s.
