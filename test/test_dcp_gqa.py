@@ -298,9 +298,10 @@ def test_a_decode_or_verify_batch_attends_at_once_as_request_by_request(mode, dc
     """``dcp_partial_attention`` of a decode or verify batch (one call over the lists padded to the
     longest, ``_pad_lists``) equals ``partial_attention`` request by request over each request's
     own list: ragged lengths, a request this rank owns no key of (rank 1: 3 tokens, all in rank
-    0's first chunk) and a batch it owns no key of, a chain verify's causal mask and a tree verify's mask at the owned keys, and
-    a lone request whose keys are one run of rows (read as a view of the pool); both ways the
-    batch attends (the CPU flash kernel; the fp32 scores, for other devices)."""
+    0's first chunk) and a batch it owns no key of, a chain verify's causal mask and a tree
+    verify's mask at the owned keys, and a lone request whose keys are one run of rows (read as a
+    view of the pool); both ways the batch attends (the CPU flash kernel; the fp32 scores, for
+    other devices)."""
     from sglang.srt.layers.dcp import torch_attention as ta
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 

@@ -61,13 +61,12 @@ def cpu_server_env(
     # compile workers) on its first forward, ~3 CPU-s and more per rank and server start. The
     # default test tier runs them eagerly (the same ops; the series changes none of them);
     # HELIX_TEST_FULL=1 keeps upstream's compiled path. A caller's own TORCHDYNAMO_DISABLE wins.
+    # Likewise SGLang's model registry imports every module of sglang.srt.models (~250; 2.6
+    # CPU-s) in the launcher and in every rank, for the one architecture a server serves: the
+    # default tier's servers skip the modules no test serves (upstream's own switch);
+    # HELIX_TEST_FULL=1 imports them all. A caller's own SGLANG_DISABLED_MODEL_ARCHS wins.
     if env.get("HELIX_TEST_FULL") != "1":
         env.setdefault("TORCHDYNAMO_DISABLE", "1")
-    # SGLang's model registry imports every module of sglang.srt.models (~250; 2.6 CPU-s) in the
-    # launcher and in every rank, for the one architecture a server serves. The default tier's
-    # servers skip the modules no test serves (upstream's own switch); HELIX_TEST_FULL=1 imports
-    # them all, as a user's server does. A caller's own SGLANG_DISABLED_MODEL_ARCHS wins.
-    if env.get("HELIX_TEST_FULL") != "1":
         env.setdefault("SGLANG_DISABLED_MODEL_ARCHS", ",".join(unserved_model_modules()))
     # On SIGTERM the server sleeps 5 s "to let GPU activity settle" before py-spy / CUDA coredump
     # diagnostics (tokenizer_manager.py, both on by default): on the CPU there is no GPU activity
