@@ -23,7 +23,8 @@ is a device copy of the packed buffers, and each rank merges its head slice. Che
   decode + pack + merge) against plain TP's per-rank attention at the same N = KVP x TPA (Q/N
   query heads, max(1, K/N) KV heads over the whole context);
 - bandwidth: the KV bytes each rank's decode reads over its time, in GB/s and in percent of the
-  device's measured copy bandwidth (read + write of 512 MiB), for Helix and plain TP, with
+  device's measured copy bandwidth (read + write of 512 MiB), eager and graph-replayed
+  (``*_graph_*``: no launch gaps, as a captured server step), for Helix and plain TP, with
   Helix's per-request split policy (``decode_state.num_kv_splits_by_local_len``) on and off
   (``--split-policy``; off = ``--splits`` for every request);
 - fused: stage 2 writing the All-to-All send buffer itself (the head-split-output patch, what Helix attention
@@ -256,6 +257,17 @@ def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtyp
         row["plain_tp_gbps"] = tp_bytes / (row["plain_tp_rank_us"] * 1e-6) / 1e9
         row["helix_pct_of_copy"] = 100 * row["helix_gbps"] / copy_gbps
         row["plain_tp_pct_of_copy"] = 100 * row["plain_tp_gbps"] / copy_gbps
+        # The same decodes captured and replayed: the kernels' time without Python's launch gaps, as
+        # a server's captured decode step runs them (the eager figures above include the gaps).
+        for name, fn in (("helix_decode", rank_decode), ("plain_tp", tp)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            row[f"{name}_graph_us"] = do_bench(graph.replay) * 1e3
+        row["helix_graph_gbps"] = step.kv_bytes[0] / (row["helix_decode_graph_us"] * 1e-6) / 1e9
+        row["plain_tp_graph_gbps"] = tp_bytes / (row["plain_tp_graph_us"] * 1e-6) / 1e9
+        row["helix_graph_pct_of_copy"] = 100 * row["helix_graph_gbps"] / copy_gbps
+        row["plain_tp_graph_pct_of_copy"] = 100 * row["plain_tp_graph_gbps"] / copy_gbps
     return row
 
 

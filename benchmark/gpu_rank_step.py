@@ -28,7 +28,9 @@ attention over their own shard). The whole layer is captured in a CUDA graph and
 (``triton.testing.do_bench``, L2 flushed between runs). Left out, the same for every layout: the
 norms, rotary embedding, the KV write of the new token, residual adds. Every layout uses the same
 KV-split rule (upstream's ``get_num_kv_splits_triton`` fed with the rank's local lengths, cap
-``--max-splits``, default 64 as Helix's; 0.5.23's default for TP/DCP is 8: ``--max-splits 8``).
+``--max-splits``, default 64; 0.5.23's default for TP/DCP is 8: ``--max-splits 8``), except that
+Helix layouts split as the server does (``--helix-split-policy on``, the default: ``gqa_decode``'s
+per-batch extent, up to 256 splits at batch 1, then each request's share by its local length).
 
 Per (model, N, S, B) it prints each layout's microseconds per layer, the collectives' time from
 the model (per collective: the GPU preset's latency + bytes / NVLink bandwidth), their sum (the
@@ -72,6 +74,13 @@ SMOKE_MODELS = {  # tiny shapes for --cpu-smoke: Q 8, K 2, D 16 (a dense and an 
 HW_BY_NAME = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("GB200", "gb200-nvl72"))
 
 
+def split_policy_module():
+    """``sglang.srt.layers.dcp.gqa_decode``: the GQA mode's KV-split policy (after ``load_kernels``)."""
+    from sglang.srt.layers.dcp import gqa_decode
+
+    return gqa_decode
+
+
 def load_kernels():
     """``(decode_attention_fwd, dcp_lse_combine_triton, get_num_kv_splits_triton)`` from the kernel
     files alone: the parent packages are registered empty (their ``__init__`` would import the
@@ -79,7 +88,8 @@ def load_kernels():
     if "sglang" not in sys.modules:
         spec = importlib.util.find_spec("sglang")
         base = os.path.dirname(list(spec.submodule_search_locations)[0])
-        for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention", "sglang.srt"):
+        for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention", "sglang.srt",
+                     "sglang.srt.layers", "sglang.srt.layers.dcp"):  # fmt: skip
             pkg = types.ModuleType(name)
             pkg.__path__ = [os.path.join(base, *name.split("."))]
             sys.modules[name] = pkg
@@ -130,7 +140,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> 
 class KVShard:
     """One member's KV rows for B requests of ``tokens`` each, and the decode's per-request lists."""
 
-    def __init__(self, k, v, splits_fn, heads: int, max_splits: int, cores: int):
+    def __init__(self, k, v, splits_fn, heads: int, max_splits: int, cores: int, policy=None):
         B, tokens, kh, D = k.shape  # [B, tokens, kh, D]
         self.k = k.reshape(B * tokens, kh, D).contiguous()  # [rows, kh, D]
         self.v = v.reshape(B * tokens, kh, v.shape[-1]).contiguous()
@@ -139,19 +149,28 @@ class KVShard:
         self.indices = torch.arange(B * tokens, device=dev, dtype=torch.int64)  # [B * tokens]
         self.splits = torch.full((B,), max_splits, dtype=torch.int32, device=dev)  # [B]
         lens = torch.full((B,), max(tokens, 1), dtype=torch.int32, device=dev)
-        splits_fn[(1,)](self.splits, lens, B, 1, heads, kh, max_splits, cores,
-                        MAX_NUM_SEQ=256 if B < 256 else 1 << (B - 1).bit_length())  # fmt: skip
+        if policy is not None:  # the GQA mode's per-request policy (gqa_decode), as the server runs it
+            policy.num_kv_splits_by_local_len(self.splits, lens, heads, kh, max_splits, cores)
+        else:
+            splits_fn[(1,)](self.splits, lens, B, 1, heads, kh, max_splits, cores,
+                            MAX_NUM_SEQ=256 if B < 256 else 1 << (B - 1).bit_length())  # fmt: skip
         self.bytes = 2 * self.k.numel() * self.k.element_size()  # K and V it reads
 
 
 class RankLayer:
     """Rank 0's decoder layer of ``lay``: static buffers, ``__call__`` runs it (capturable)."""
 
-    def __init__(self, model, lay, context, batch, kernels, dtype, device, chunk=64, max_splits=64, cores=132, check=False):
+    def __init__(self, model, lay, context, batch, kernels, dtype, device, chunk=64, max_splits=64, cores=132,
+                 check=False, helix_policy=False):  # fmt: skip
         self.decode, self.combine, splits_fn = kernels
         self.model, self.lay, self.B = model, lay, batch
         self.heads = rank_heads(model, lay)
         B, H, D, Dv, hd = batch, model.hidden, model.head_dim, model.dv, self.heads
+        policy = None
+        if helix_policy and lay.kind == "helix":  # the batch's split extent, then each request's share of it
+            policy = split_policy_module()
+            grid = policy.KVSplitPolicy(8, policy.DCP_GQA_MAX_KV_SPLITS, cores)  # 8: the backend's default
+            max_splits = grid.grid_splits(B, hd["attn_q"], hd["attn_kv"])
         self.scale = D**-0.5
         self.max_splits = max_splits
         g = torch.Generator(device=device).manual_seed(context + batch + lay.n + lay.kvp)
@@ -174,7 +193,7 @@ class RankLayer:
             self.k_all, self.v_all = k_all.cpu(), v_all.cpu()
         else:  # no reference: the other members read rank 0's rows (their values do not matter; one shard's memory)
             shards = [(rand(B, len(pos[0]), kv, D), rand(B, len(pos[0]), kv, Dv))] * members
-        self.shards = [KVShard(k, v, splits_fn, hd["attn_q"], max_splits, cores) for k, v in shards]
+        self.shards = [KVShard(k, v, splits_fn, hd["attn_q"], max_splits, cores, policy) for k, v in shards]
         self.split_count = int(self.shards[0].splits[0])
         self.kv_bytes = self.shards[0].bytes
         self.q = torch.empty(B, hd["attn_q"], D, dtype=dtype, device=device)  # [B, attn heads, D]
@@ -328,14 +347,17 @@ def model_comm_us(model, hw, lay, batch) -> float:
     return sum(hw.latency(k) + b / hw.link_bytes_s for k, b in pm.collectives_per_layer(model, lay, batch)) * 1e6
 
 
-def run_case(model, n, context, batch, kernels, hw, dtype, device, timing, max_splits, cores, chunk=64) -> list:
+def run_case(model, n, context, batch, kernels, hw, dtype, device, timing, max_splits, cores, chunk=64,
+             helix_policy=False) -> list:  # fmt: skip
     rows = []
-    check = batch * context <= (1 << 20)
+    check = batch * context < (1 << 20)  # the float64 reference runs on the host: up to 512K tokens
     for lay in rank_layouts(model, n):
-        layer = RankLayer(model, lay, context, batch, kernels, dtype, device, chunk, max_splits, cores, check)
+        layer = RankLayer(model, lay, context, batch, kernels, dtype, device, chunk, max_splits, cores, check,
+                          helix_policy)  # fmt: skip
         eager = layer().clone()
         row = {"model": model.name, "gpus": n, "context": context, "batch": batch, "layout": lay.name(),
-               "family": lay.kind, "kv_bytes_per_layer": layer.kv_bytes, "kv_splits": layer.split_count}  # fmt: skip
+               "family": lay.kind, "kv_bytes_per_layer": layer.kv_bytes, "kv_splits": layer.split_count,
+               "kv_split_extent": layer.max_splits}  # fmt: skip
         if check:
             row["attn_max_abs_err_vs_fp64"] = layer.attention_error()
         modelled = pm.step(model, hw, lay, context, batch, "bf16", "bf16")
@@ -355,6 +377,7 @@ def run_case(model, n, context, batch, kernels, hw, dtype, device, timing, max_s
                 row["measured_layer_us"] = do_bench(graph.replay) * 1e3
                 row["step_us"] = row["measured_layer_us"] + row["model_comm_us"]
         rows.append(row)
+        print(json.dumps(row), flush=True)  # a run cut short keeps the rows it finished
         del layer
     return rows
 
@@ -402,12 +425,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-70b,qwen3-235b-a22b", help=f"presets: {', '.join(pm.MODELS)}")
     p.add_argument("--gpus", default="16,8", help="N per model (one value: every model)")
-    p.add_argument("--context", default="32768,131072")
+    p.add_argument("--context", default="32768,131072,1048576")
     p.add_argument("--batch", default="1,16")
     p.add_argument("--hw", default=None, help="perf_model GPU preset for the collectives and the modelled ratio "
                                               "(default: from the device name)")  # fmt: skip
-    p.add_argument("--max-splits", type=int, default=64, help="KV-split cap for every layout (0.5.23's TP/DCP default: 8)")
+    p.add_argument("--max-splits", type=int, default=64, help="KV-split cap of TP and DCP layouts (0.5.23's default: 8)")
     p.add_argument("--chunk", type=int, default=64, help="--helix-kvp-chunk-size")
+    p.add_argument("--helix-split-policy", default="on", choices=("on", "off"),
+                   help="on: Helix layouts split as the server does (gqa_decode's per-batch policy, up to 256 "
+                        "splits); off: --max-splits as every other layout")  # fmt: skip
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -437,7 +463,8 @@ def main(argv=None) -> int:
     for model, n in cases:
         for context in contexts:
             for batch in batches:
-                rows += run_case(model, n, context, batch, kernels, hw, dtype, device, timing, args.max_splits, cores, chunk)
+                rows += run_case(model, n, context, batch, kernels, hw, dtype, device, timing, args.max_splits, cores,
+                                 chunk, args.helix_split_policy == "on")  # fmt: skip
     pairs = ratios(rows)
     print_rows(rows, pairs)
     out = args.json or (os.path.join(os.environ["OUT"], "gpu_rank_step.json") if os.environ.get("OUT") else None)

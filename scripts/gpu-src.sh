@@ -31,6 +31,8 @@ def get_parallel():  # no server here: the kernel checks never read the parallel
     raise RuntimeError("no sglang runtime on this machine (.gpu/src stand-in)")
 def get_spec():  # nor the speculative config
     raise RuntimeError("no sglang runtime on this machine (.gpu/src stand-in)")
+def max_speculative_num_draft_tokens():
+    raise RuntimeError("no sglang runtime on this machine (.gpu/src stand-in)")
 PY
 grep -qs '^/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.gpu/ >> .git/info/exclude; }
 du -sh .gpu
