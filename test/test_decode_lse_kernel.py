@@ -90,7 +90,7 @@ def make_inputs(lens, num_kv_heads, group, head_dim, seed=0):
 
 
 def run_kernel(mod, q, k, v, kv_indptr, kv_indices, splits, max_splits, sm_scale,
-               logit_cap=0.0, sinks=None, with_lse=True, output_lse=None, o=None):  # fmt: skip
+               logit_cap=0.0, sinks=None, with_lse=True, output_lse=None, o=None, split_tile=0):  # fmt: skip
     """decode_attention_fwd; returns (o [B, H, Dv] (or the given o), lse [B, H] or None).
 
     Scratch and outputs start as NaN, so a value the kernel never writes (or a split stage 2
@@ -109,6 +109,8 @@ def run_kernel(mod, q, k, v, kv_indptr, kv_indices, splits, max_splits, sm_scale
         if output_lse is None:
             output_lse = torch.full((B, H), nan)
         kwargs["output_lse"] = output_lse
+    if split_tile:
+        kwargs["split_tile"] = split_tile
     mod.decode_attention_fwd(
         q, k, v, o, kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits, max_splits,
         sm_scale, 1.0, 1.0, logit_cap=logit_cap, sinks=sinks, **kwargs,
@@ -317,6 +319,49 @@ def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, k
     run_kernel(patched, *args, o=fi_o.permute(2, 0, 1, 3), output_lse=fi_lse.permute(2, 0, 1))
     assert torch.equal(fi_o.permute(0, 2, 1, 3).reshape(B, H, head_dim), o)
     assert torch.equal(fi_lse.permute(0, 2, 1).reshape(B, H), lse)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 2's tiled split reduction (split_tile)
+# --------------------------------------------------------------------------------------------
+# An extent of 24 splits (a multiple of neither tile). 1000 tokens over 24 splits: 64-token splits,
+# 16 non-empty; 600 over 13: 10 non-empty; 37 tokens: one; an empty request: none. A tile past the
+# last non-empty split is skipped, a partly filled one masked.
+TILED_LENS = [0, 1000, 37, 600, 0]
+TILED_SPLITS = [3, 24, 24, 13, 24]
+
+
+@pytest.mark.parametrize("split_tile", [4, 16])
+@pytest.mark.parametrize("group,variant", [(1, "plain"), (4, "sinks"), (4, "head_split")])
+def test_tiled_split_reduction_matches_reference_and_serial_loop(patched, split_tile, group, variant):
+    q, k, v, indptr, indices = make_inputs(TILED_LENS, 2, group, 32, seed=41 + group)
+    kw = {"sinks": torch.linspace(-1.0, 1.0, q.shape[1])} if variant == "sinks" else {}
+    args = (q, k, v, indptr, indices, TILED_SPLITS, 24, 0.2)
+    serial = run_kernel(patched, *args, **kw)
+    if variant == "head_split":  # into the All-to-All's [G, B, H/G, Dv] send layout, as the GQA mode
+        B, H, Dv = q.shape[0], q.shape[1], v.shape[-1]
+        o = torch.full((2, B, H // 2, Dv), float("nan"))
+        lse = torch.full((2, B, H // 2), float("nan"))
+        run_kernel(patched, *args, o=o, output_lse=lse, split_tile=split_tile)
+        tiled = (o.transpose(0, 1).reshape(B, H, Dv), lse.transpose(0, 1).reshape(B, H))
+    else:
+        tiled = run_kernel(patched, *args, split_tile=split_tile, **kw)
+    assert_matches(*tiled, *reference(q, k, v, indptr, indices, 0.2, **kw), TILED_LENS)
+    # the same merge as the serial loop, up to the fp32 sums' order
+    torch.testing.assert_close(tiled[0], serial[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(tiled[1], serial[1], atol=1e-6, rtol=1e-6)
+
+
+def test_split_tile_is_a_power_of_two(patched):
+    args = make_inputs([5], 2, 1, 16, seed=3)
+    with pytest.raises(AssertionError):
+        run_kernel(patched, *args, 4, 4, 0.1, split_tile=3)
+
+
+def test_the_gqa_mode_tiles_stage_2_by_its_split_extent():
+    gqa_decode = pytest.importorskip("sglang.srt.layers.dcp.gqa_decode")
+    tiles = {s: gqa_decode.stage2_split_tile(s) for s in (1, 8, 12, 32, 64, 256)}
+    assert tiles == {1: 1, 8: 8, 12: 16, 32: 32, 64: 32, 256: 32}
 
 
 # --------------------------------------------------------------------------------------------

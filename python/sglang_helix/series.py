@@ -463,6 +463,10 @@ PREFIX_TESTS = {
         "test/test_decode_lse_kernel.py", "test/test_triton_compile.py",
         "-k", "head_split or (bit_identical_to_pristine and plain) or kernels_compile",
     ],
+    "[Kernel] Triton decode stage 2: optional tiled split reduction": [
+        "test/test_decode_lse_kernel.py", "test/test_triton_compile.py",
+        "-k", "tiled or power_of_two or (bit_identical_to_pristine and plain) or kernels_compile",
+    ],
     "[Distributed] GroupCoordinator.all_to_all_single: direct path on CPU": [
         "test/test_dcp_extensions.py", "-k", "all_to_all_single",
     ],

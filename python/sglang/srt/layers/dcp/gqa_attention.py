@@ -35,7 +35,11 @@ from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.srt.layers.dcp import gqa_layout
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed
-from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeMetadata, send_views
+from sglang.srt.layers.dcp.gqa_decode import (
+    DcpGqaDecodeMetadata,
+    send_views,
+    stage2_split_tile,
+)
 from sglang.srt.layers.dcp.layout import localize_dcp_indices
 from sglang.srt.layers.dcp.torch_attention import kv_scales, tree_mask_of
 from sglang.srt.runtime_context import get_parallel
@@ -225,6 +229,7 @@ def _triton_decode(layer, q, meta: DcpGqaDecodeMetadata, backend):
     out, lse = send_views(
         meta.send, layer.v_head_dim
     )  # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
+    splits = meta.attn_logits.shape[2]
     decode_attention_fwd(
         q,
         k_buf,
@@ -235,11 +240,12 @@ def _triton_decode(layer, q, meta: DcpGqaDecodeMetadata, backend):
         meta.attn_logits,  # [T, Q/TPA, S, Dv]: S, the batch's split extent
         meta.attn_lse,
         meta.num_kv_splits,
-        meta.attn_logits.shape[2],
+        splits,
         layer.scaling,
         k_descale,
         v_descale,
         output_lse=lse,
+        split_tile=stage2_split_tile(splits),
     )
     return meta.send, meta.recv
 

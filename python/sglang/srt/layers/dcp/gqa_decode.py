@@ -48,6 +48,15 @@ DCP_GQA_CTAS_PER_SM = 4
 # ... and at least this many KV tokens per split: upstream's heuristic alone spreads a lone short
 # request over every split (64 tokens over 64 splits), where the stage-2 reduction costs more.
 DCP_GQA_MIN_TOKENS_PER_SPLIT = 256
+# Stage 2 merges a request's splits this many at a time (``split_tile``): its serial loop waits on
+# two dependent loads per split, and at 256 splits took 2/3 of a lone request's decode on an H200
+# (benchmark/results/gpu-kernels.md, 2026-11-28).
+DCP_GQA_SPLIT_TILE = 32
+
+
+def stage2_split_tile(max_kv_splits: int) -> int:
+    """Stage 2's ``split_tile`` for a split extent: a power of two, at most ``DCP_GQA_SPLIT_TILE``."""
+    return min(DCP_GQA_SPLIT_TILE, triton.next_power_of_2(max(1, max_kv_splits)))
 
 
 def a2a_buffer_shape(
