@@ -254,13 +254,15 @@ def test_torch_attention_shards_merge_to_full_attention(interleave, dcp, decode)
     assert torch.allclose(got, want, atol=1e-5)  # the partials are computed in fp32
 
 
-@pytest.mark.parametrize("path", ["_attend_cpu", "_attend_scores"])
-def test_torch_attention_paths_equal_float64(path):
+@pytest.mark.parametrize("path", ["_attend_batch_cpu", "_attend_batch_scores"])
+def test_torch_attention_paths_equal_float64(path, monkeypatch):
     """Both ways the partial attends (the CPU flash kernel with its log-sum-exp; the fp32 scores, for
     other devices) give float64's output and LSE, with GQA groups, a causal mask over a subset of
     keys, and queries that see no key (0, -inf)."""
     from sglang.srt.layers.dcp import torch_attention
 
+    monkeypatch.setattr(torch_attention, "_attend_batch_cpu", getattr(torch_attention, path))
+    path = "_attend"
     g = torch.Generator().manual_seed(7)
     b, H, Hk, D, n = 13, 6, 2, 16, 21
     q, k, v = (torch.randn(*shape, generator=g) for shape in ((b, H, D), (n, Hk, D), (n, Hk, D)))

@@ -300,39 +300,13 @@ def partial_attention(
 
 def _attend(q, k, v, scaling, mask):
     """``q [b, H, D]`` over ``k [n, Hk, D]`` / ``v [n, Hk, Dv]`` (fp32), ``mask [b, n]`` or None:
-    ``(out [b, H, Dv], lse [b, H])``; a query that sees no key: 0, -inf."""
-    if q.device.type == "cpu":
-        return _attend_cpu(q, k, v, scaling, mask)
-    return _attend_scores(q, k, v, scaling, mask)
-
-
-def _attend_cpu(q, k, v, scaling, mask):
-    """One fused SDPA call (the CPU flash kernel, which also returns the log-sum-exp): the query
-    rows of each KV head are its group's heads x the block's tokens, ``[Hk, g * b, D]``.
-    """
-    b, H, D = q.shape
-    num_kv_heads = k.shape[1]
-    group = H // num_kv_heads
-    qg = q.view(b, num_kv_heads, group, D).permute(1, 2, 0, 3)  # [Hk, g, b, D]
-    bias = None
-    if mask is not None:  # additive, the same for the group's heads: [g * b, n]
-        bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -math.inf)
-        bias = bias.repeat(group, 1)
-    o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qg.reshape(1, num_kv_heads, group * b, D),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        0.0,
-        False,
-        attn_mask=bias,
-        scale=scaling,
-    )  # [1, Hk, g * b, Dv], [1, Hk, g * b]
-    o = o.view(num_kv_heads, group, b, -1).permute(2, 0, 1, 3).reshape(b, H, -1)
-    m = m.view(num_kv_heads, group, b).permute(2, 0, 1).reshape(b, H)
-    if mask is not None:  # a query that sees no key here: a neutral partial
-        blind = ~mask.any(dim=1)
-        o[blind], m[blind] = 0.0, -math.inf
-    return o, m
+    ``(out [b, H, Dv], lse [b, H])``; a query that sees no key: 0, -inf. ``_attend_batch`` of one
+    request."""
+    if mask is None:
+        visible = torch.ones(1, 1, k.shape[0], dtype=torch.bool, device=q.device)
+    else:
+        visible = mask[None]
+    return _attend_batch(q, k[None], v[None], scaling, visible)
 
 
 def _attend_batch(q, k, v, scaling, visible):
@@ -387,17 +361,3 @@ def _attend_batch_scores(q, k, v, scaling, visible):
     p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
     o = torch.einsum("bkgql,blkd->bqkgd", p, v).reshape(T, H, -1)
     return o, m.permute(0, 3, 1, 2).reshape(T, H)
-
-
-def _attend_scores(q, k, v, scaling, mask):
-    """The scores in fp32 ``[Hk, g, b, n]``, softmax by their log-sum-exp (any device)."""
-    b, H, D = q.shape
-    num_kv_heads = k.shape[1]
-    qb = q.view(b, num_kv_heads, H // num_kv_heads, D)  # [b, Hk, g, D]
-    s = torch.einsum("bkgd,lkd->kgbl", qb, k) * scaling  # [Hk, g, b, n]
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    m = torch.logsumexp(s, dim=-1)  # [Hk, g, b]; -inf where nothing is visible
-    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
-    o = torch.einsum("kgbl,lkd->bkgd", p, v)  # [b, Hk, g, Dv]
-    return o.reshape(b, H, -1), m.permute(2, 0, 1).reshape(b, H)
