@@ -88,6 +88,12 @@ def split_counts(lens: torch.Tensor, heads: int, kv_heads: int, splits: int, pol
     return num, extent
 
 
+def stage2_split_tile(splits: int) -> int:
+    from sglang.srt.layers.dcp import gqa_decode
+
+    return gqa_decode.stage2_split_tile(splits)
+
+
 def shard_positions(context: int, kvp: int, chunk: int) -> list:
     """Global positions each KVP rank owns, in order (round-robin chunks)."""
     pos = torch.arange(context)
@@ -98,7 +104,8 @@ def shard_positions(context: int, kvp: int, chunk: int) -> list:
 class HelixGroupStep:
     """Static buffers and the step of one KVP group (one TPA slice), for eager runs and capture."""
 
-    def __init__(self, q, k, v, kvp: int, chunk: int, splits: int, policy: bool = False, cores: int = 0):
+    def __init__(self, q, k, v, kvp: int, chunk: int, splits: int, policy: bool = False, cores: int = 0,
+                 split_tile: int = -1):  # fmt: skip
         decode, dcp_kernels = _kernels()
         self.decode, self.dcp = decode, dcp_kernels
         B, H, D = q.shape
@@ -125,6 +132,8 @@ class HelixGroupStep:
             shape = (kvp, B, H // kvp, D + lpd)  # dcp_a2a_lse_reduce_packed's send buffer
             send = torch.empty(shape, dtype=q.dtype, device=q.device)
             self.shards.append((kb, vb, indptr, indices, out, lse, logits, split_lse, num_splits, send))
+        # stage 2's split tile: -1 as the GQA mode launches it (gqa_decode.stage2_split_tile), 0 serial
+        self.split_tile = stage2_split_tile(self.splits) if split_tile < 0 else split_tile
         self.recv = [torch.empty_like(self.shards[0][-1]) for _ in range(kvp)]
         self.merged = torch.empty(kvp, B, H // kvp, D, dtype=q.dtype, device=q.device)
         self.lpd = self.recv[0].shape[-1] - D
@@ -134,7 +143,7 @@ class HelixGroupStep:
         if self.fused:  # stage 2 writes the send buffer (the head-split-output patch), as Helix attention does
             out, lse = send[..., : self.D], send.view(torch.float32)[..., self.D // self.lpd]
         self.decode(self.q, kb, vb, out, indptr, indices, logits, split_lse, num_splits, self.splits,
-                    self.scale, 1.0, 1.0, output_lse=lse)  # fmt: skip
+                    self.scale, 1.0, 1.0, output_lse=lse, split_tile=self.split_tile)  # fmt: skip
         if not self.fused:  # stage 2 into [B, H, D] + [B, H], then the pack kernel
             D = self.D
             self.dcp.dcp_pack_a2a_send(out, lse, send[..., :D], send.view(torch.float32)[..., D // self.lpd])
@@ -206,12 +215,12 @@ def copy_bandwidth_gbps(device) -> float:
 
 
 def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtype, device, timing: bool,
-             policy: bool = False, cores: int = 0, copy_gbps: float = 0.0) -> dict:  # fmt: skip
+             policy: bool = False, cores: int = 0, copy_gbps: float = 0.0, split_tile: int = -1) -> dict:  # fmt: skip
     g = torch.Generator(device="cpu").manual_seed(context + batch + kvp)
     q = torch.randn(batch, heads, head_dim, generator=g).to(device, dtype)
     k = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
     v = torch.randn(batch, context, kv_heads, head_dim, generator=g).to(device, dtype)
-    step = HelixGroupStep(q, k, v, kvp, chunk, splits, policy, cores)
+    step = HelixGroupStep(q, k, v, kvp, chunk, splits, policy, cores, split_tile)
     step.fused = False
     unfused = step().clone()
     step.fused = True
@@ -219,7 +228,8 @@ def run_case(context, batch, kvp, heads, kv_heads, head_dim, chunk, splits, dtyp
     err = (eager.double() - reference(q, k, v)).abs().max().item()
     row = {"context": context, "batch": batch, "kvp": kvp, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "split_policy": "on" if policy else "off",
-           "helix_splits": step.split_counts[0], "max_abs_err_vs_fp64": err,
+           "helix_splits": step.split_counts[0], "split_extent": step.splits, "split_tile": step.split_tile,
+           "max_abs_err_vs_fp64": err,
            "fused_equals_unfused": bool(torch.equal(eager, unfused))}  # fmt: skip
     # Plain TP at N = KVP x TPA: Q/N = H/KVP query heads, max(1, K/N) = max(1, KH/KVP) KV heads.
     tp_heads, tp_kv_heads = max(1, heads // kvp), max(1, kv_heads // kvp)
@@ -326,6 +336,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=64, help="--helix-kvp-chunk-size")
     p.add_argument("--splits", type=int, default=8, help="KV splits of the decode kernel (policy off)")
     p.add_argument("--split-policy", default="on,off", help="Helix's per-request split policy: on, off or both")
+    p.add_argument("--split-tile", default="-1", help="Helix's stage-2 split tile(s): -1 as the server, 0 serial")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--json", default=None)
     p.add_argument("--specializations", nargs="?", const=FIXTURE, default=None,
@@ -362,11 +373,12 @@ def main(argv=None) -> int:
                     if args.shapes_from_fixture and heads % kvp:
                         continue
                     for policy in policies:
-                        row = run_case(context, batch, kvp, heads, kv_heads, head_dim, args.chunk,
-                                       args.splits, dtype, device, timing, policy, cores, copy_gbps)  # fmt: skip
-                        row.update(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                        for tile in (int(x) for x in args.split_tile.split(",")):
+                            row = run_case(context, batch, kvp, heads, kv_heads, head_dim, args.chunk, args.splits,
+                                           dtype, device, timing, policy, cores, copy_gbps, tile)  # fmt: skip
+                            row.update(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
     out = args.json or (os.path.join(os.environ["OUT"], "gpu_kernels.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:

@@ -166,11 +166,12 @@ class RankLayer:
         self.model, self.lay, self.B = model, lay, batch
         self.heads = rank_heads(model, lay)
         B, H, D, Dv, hd = batch, model.hidden, model.head_dim, model.dv, self.heads
-        policy = None
+        policy, self.split_tile = None, 0
         if helix_policy and lay.kind == "helix":  # the batch's split extent, then each request's share of it
             policy = split_policy_module()
             grid = policy.KVSplitPolicy(8, policy.DCP_GQA_MAX_KV_SPLITS, cores)  # 8: the backend's default
             max_splits = grid.grid_splits(B, hd["attn_q"], hd["attn_kv"])
+            self.split_tile = policy.stage2_split_tile(max_splits)
         self.scale = D**-0.5
         self.max_splits = max_splits
         g = torch.Generator(device=device).manual_seed(context + batch + lay.n + lay.kvp)
@@ -234,8 +235,9 @@ class RankLayer:
         return qkv[:, : self.heads["q_proj"] * self.model.head_dim].view(self.B, self.heads["q_proj"], -1)
 
     def _run_decode(self, shard, q, o, logits, split_lse, output_lse=None):
+        tile = {"split_tile": self.split_tile} if self.split_tile else {}  # Helix under the server's policy
         self.decode(q, shard.k, shard.v, o, shard.indptr, shard.indices, logits, split_lse, shard.splits,
-                    self.max_splits, self.scale, 1.0, 1.0, output_lse=output_lse)  # fmt: skip
+                    self.max_splits, self.scale, 1.0, 1.0, output_lse=output_lse, **tile)  # fmt: skip
 
     def _workspace(self, heads, dtype, device):
         B, Dv = self.B, self.model.dv
