@@ -332,13 +332,13 @@ TILED_SPLITS = [3, 24, 24, 13, 24]
 
 
 @pytest.mark.parametrize("split_tile", [4, 16])
-@pytest.mark.parametrize("group,variant", [(1, "plain"), (4, "sinks"), (4, "head_split")])
+@pytest.mark.parametrize("group,variant", [(1, "plain"), (4, "sinks"), (4, "send_layout")])
 def test_tiled_split_reduction_matches_reference_and_serial_loop(patched, split_tile, group, variant):
     q, k, v, indptr, indices = make_inputs(TILED_LENS, 2, group, 32, seed=41 + group)
     kw = {"sinks": torch.linspace(-1.0, 1.0, q.shape[1])} if variant == "sinks" else {}
     args = (q, k, v, indptr, indices, TILED_SPLITS, 24, 0.2)
     serial = run_kernel(patched, *args, **kw)
-    if variant == "head_split":  # into the All-to-All's [G, B, H/G, Dv] send layout, as the GQA mode
+    if variant == "send_layout":  # into the All-to-All's [G, B, H/G, Dv] send layout, as the GQA mode
         B, H, Dv = q.shape[0], q.shape[1], v.shape[-1]
         o = torch.full((2, B, H // 2, Dv), float("nan"))
         lse = torch.full((2, B, H // 2), float("nan"))
