@@ -94,7 +94,7 @@ class _TritonBackend(TritonAttnBackend):
         # An H100's SM count: the per-request split policy runs (kv_split_policy).
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 132, None
         self.dcp_gqa_decode = state or DcpGqaDecodeState(req_to_token, kvp_rank, KVP, CHUNK)
-        self.dcp_gqa_metadata, self.dcp_draft_step = None, draft_step
+        self.dcp_draft_step = draft_step
         self.num_kv_head, self.dcp_gqa_dtype = KVH, torch.float32  # the workspace's heads and dtype
         self.dcp_size, self.dcp_rank, self.dcp_interleave_size = KVP, kvp_rank, CHUNK  # _set_kv_buffer's
         # What forward_decode reads before its DCP branch; the GQA mode's forward_metadata holds none
@@ -437,7 +437,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
                 _self_attn(backends[rank], layer, q, k[i], v[i], batch).clone()
                 for i, layer in enumerate(LAYERS)
             ])  # fmt: skip
-            splits = backends[rank].dcp_gqa_metadata.num_kv_splits[:raw_bs].clone()
+            splits = backends[rank].forward_metadata.dcp_gqa.num_kv_splits[:raw_bs].clone()
             return out, exchange.calls[rank] - calls, splits, _snapshot(pools[rank])
 
         eager_out = run_ranks(eager)
@@ -458,7 +458,7 @@ def test_decode_capture_replay_equals_eager_and_plain_tp(monkeypatch):
             TritonAttnBackend.init_forward_metadata_out_graph(backends[rank], view)
             calls = exchange.calls[rank]
             out, trace = _traced(lambda: body(backends[rank], view))
-            splits = backends[rank].dcp_gqa_metadata.num_kv_splits[:raw_bs]
+            splits = backends[rank].forward_metadata.dcp_gqa.num_kv_splits[:raw_bs]
             assert splits.data_ptr() == backends[rank].dcp_gqa_decode.graph.num_kv_splits.data_ptr()
             splits = splits.clone()
             return out[:, :raw_bs].clone(), exchange.calls[rank] - calls, trace, splits
@@ -703,7 +703,7 @@ def test_eager_lists_without_a_charged_set():
     for reqs in STEPS:
         batch = _batch(reqs, req_to_token)
         TritonAttnBackend.init_forward_metadata(backend, batch)
-        meta = backend.dcp_gqa_metadata
+        meta = backend.forward_metadata.dcp_gqa
         total = kv_layout.total_local_len(batch.seq_lens_cpu, 1, KVP, CHUNK)
         indptr, indices, _ = kv_layout.local_kv_indices(
             req_to_token, batch.req_pool_indices, batch.seq_lens, total, 1, KVP, CHUNK

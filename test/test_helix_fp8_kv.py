@@ -67,7 +67,6 @@ class _TritonBackend(TritonAttnBackend):
     def __init__(self, pool, req_to_token):
         self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, 4
         self.dcp_gqa_decode = None  # the mode's state: set per rank below
-        self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
         self.static_kv_splits, self.device_core_count, self.split_tile_size = False, 0, None  # the CPU's
         # the decode workspace's heads and dtype; not a draft step's backend
         self.num_head, self.num_kv_head, self.v_head_dim, self.dcp_gqa_dtype = H, KVH, D, torch.float32

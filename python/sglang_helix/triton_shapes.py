@@ -151,7 +151,6 @@ def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode,
         def __init__(self, pool, req_to_token, state):
             self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
             self.dcp_gqa_decode = state  # the mode's decode state (what marks the mode)
-            self.dcp_gqa_metadata = None  # this forward's (a fresh backend per forward here)
             # the decode workspace's heads and dtype (the layers'); not a draft step's backend
             self.num_head, self.num_kv_head, self.v_head_dim = H, KVH, D
             self.dcp_gqa_dtype, self.dcp_draft_step = torch.bfloat16, None

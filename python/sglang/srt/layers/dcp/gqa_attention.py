@@ -13,7 +13,7 @@ extend is upstream's extend kernel with ``lse_extend`` in three calls over the o
 owned prefix; each chunk segment over the owned new tokens before it; each segment causally over
 itself), so every rank does ~1/KVP of the prefill. A speculative target verify is a causal extend
 of the drafts over the committed prefix; a draft decode step attends up to its own position. Every
-forward's lists are built once per batch by the backend's hooks into its ``dcp_gqa_metadata``
+forward's lists are built once per batch by the backend's hooks into ``forward_metadata.dcp_gqa``
 (``init_forward_metadata``: ``dcp_gqa_forward_metadata``; in a CUDA graph, a decode's and each draft
 step's by ``init_forward_metadata_in_graph``, ``gqa_decode.py``), and the layers only read them
 (docs/helix-design.md, 3-4).
@@ -181,7 +181,7 @@ def dcp_gqa_attention(layer, q, k, v, forward_batch, backend) -> torch.Tensor:
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     mode = forward_batch.forward_mode
-    meta = backend.dcp_gqa_metadata  # built by the backend's hooks, before the layers
+    meta = backend.forward_metadata.dcp_gqa  # built by the backend's hooks, before the layers
     if meta is None:
         raise RuntimeError(
             "dcp gqa attention: the Triton backend's init_forward_metadata (or, in a CUDA graph, "
