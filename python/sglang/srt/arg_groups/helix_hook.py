@@ -25,13 +25,14 @@ from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_pha
 logger = logging.getLogger(__name__)
 
 HELIX_ATTENTION_BACKENDS = ("triton", "torch_native")
+# plain, or fp8 with per-layer scales
 HELIX_KV_CACHE_DTYPES = (
     "auto",
     "bf16",
     "bfloat16",
     "fp8_e4m3",
     "fp8_e5m2",
-)  # plain, or fp8 with per-layer scales
+)
 
 
 class HelixConfigError(ValueError):  # launch_server reports it as a usage error
@@ -63,9 +64,8 @@ def declare(server_args: Any, **fields: Any) -> None:
     declare_resolution(server_args, "handle_helix_parallelism", **fields)
 
 
-def dcp_gqa_mode(
-    cfg: Any,
-) -> bool:  # a resolved view or the published bag: get_parallel().dcp_gqa_mode
+def dcp_gqa_mode(cfg: Any) -> bool:
+    # cfg: a resolved view or the published bag (get_parallel().dcp_gqa_mode)
     return cfg.helix_kvp_size > 1
 
 
@@ -122,8 +122,9 @@ def resolve_helix_layout(server_args: Any) -> None:
         cfg.dcp_size > 1
         and cfg.dcp_replicate_q_proj
         and cfg.dcp_comm_backend in (None, "a2a", "fi_a2a")
+        # MLA's replicated Q is upstream's
         and (model_config_of(server_args).attention_arch != AttentionArch.MLA)
-    ):  # MLA's replicated Q is upstream's
+    ):
         # Replicated Q on a GQA model is the GQA mode whichever exchange DCP's default would pick (fi_a2a on
         # Blackwell, a2a on CUDA/HIP/XPU, ag_rs on the CPU) or the user names (a2a, fi_a2a; ag_rs is refused
         # upstream): one server for every spelling, on every platform, and one replicated-Q attention path.
@@ -144,9 +145,8 @@ def resolve_helix_layout(server_args: Any) -> None:
         )
     cfg = resolving_view(server_args)
     if cfg.helix_kvp_size > 1:
-        check_unsupported_flags(
-            cfg
-        )  # before DCP's own step refuses some of them with a traceback
+        # before DCP's own step refuses some of them with a traceback
+        check_unsupported_flags(cfg)
         _resolve_kv_page(server_args, cfg)
     elif interleave != 1:
         raise HelixConfigError(
@@ -186,9 +186,8 @@ def _check_model(server_args: Any, cfg: Any) -> None:
         )
     _check_heads(cfg, mc.num_attention_heads, mc.get_total_num_kv_heads(), model)
     for field, dim in (("head_dim", mc.head_dim), ("v_head_dim", mc.v_head_dim)):
-        if dim < 2 or dim & (
-            dim - 1
-        ):  # the All-to-All packs each head's LSE after its whole row
+        # the All-to-All packs each head's LSE after its whole row
+        if dim < 2 or dim & (dim - 1):
             fail(
                 f"--helix-kvp-size {kvp} needs power-of-two attention head dims (the All-to-All and LSE combine "
                 f"take whole head rows), but {model} has {field} {dim}"
@@ -297,9 +296,8 @@ def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
             f"--page-size is {cfg.page_size}",
             f"Pass --page-size 1 (or {chunk})",
         )
-    if cfg.device != "cpu" and (kvp * chunk) & (
-        kvp * chunk - 1
-    ):  # the GPU allocator's kernels: tl.arange(0, page)
+    # the GPU allocator's kernels: tl.arange(0, page)
+    if cfg.device != "cpu" and (kvp * chunk) & (kvp * chunk - 1):
         fail(
             f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {kvp * chunk}: on --device {cfg.device} the "
             "Helix KV page must be a power of two (the paged allocator's Triton kernels)",
@@ -466,9 +464,8 @@ def check_speculative(cfg: Any) -> None:
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     alg, backend = cfg.speculative_algorithm, cfg.speculative_draft_attention_backend
-    if not set(helix_architectures(drafts=True)) - set(
-        helix_architectures()
-    ):  # the speculation patches' opt-in
+    # the speculation patches' opt-in
+    if not set(helix_architectures(drafts=True)) - set(helix_architectures()):
         unsupported(
             cfg,
             "speculative decoding yet",

@@ -93,16 +93,14 @@ def prefill_ranks_for_decode(
             f"PD decode DCP: a prefill --tp {p} and decode heads over --tp {decode_attn_tp_size} / "
             f"--dcp-size {dcp_size} = {tpa} ranks must divide one another"
         )
-    if (
-        p >= tpa
-    ):  # P / TPA prefill ranks each give part of the slice; each serves one DCP group
+    # P / TPA prefill ranks each give part of the slice; each serves one DCP group
+    if p >= tpa:
         per = p // tpa
         return PrefillRanks(
             list(range(head_rank * per, (head_rank + 1) * per)), dcp_size, per
         )
-    per = (
-        tpa // p
-    )  # one prefill rank holds the slices of `per` head ranks, each a DCP group
+    # one prefill rank holds the slices of `per` head ranks, each a DCP group
+    per = tpa // p
     return PrefillRanks([head_rank // per], per * dcp_size, 1)
 
 
@@ -122,9 +120,8 @@ def token_slice(
         src_token_bytes * src_attn_tp_size,
         dst_token_bytes * dst_head_tp_size,
     )
-    src_rank = src_tp_rank // max(
-        1, src_span // dst_span
-    )  # its slice among the distinct ones
+    # its slice among the distinct ones
+    src_rank = src_tp_rank // max(1, src_span // dst_span)
     src_start, dst_start = src_rank * src_token_bytes, dst_head_rank * dst_token_bytes
     start = max(src_start, dst_start)
     end = min(src_start + src_token_bytes, dst_start + dst_token_bytes)
@@ -236,9 +233,8 @@ def transfer_plan(
     whole = _runs(breaks, n)
     in_page = None
     direct: List[np.ndarray] = []
-    gathers: List[Tuple[Gather, int, int]] = (
-        []
-    )  # and the decode entry's pointer, token bytes
+    # and the decode entry's pointer, token bytes
+    gathers: List[Tuple[Gather, int, int]] = []
     for src_ptr, dst_ptr, src_bytes, dst_bytes, cut in zip(
         src_ptrs, dst_ptrs, src_token_bytes, dst_token_bytes, slices
     ):
@@ -253,9 +249,8 @@ def transfer_plan(
                     lens * src_bytes,
                 )
             )
-        elif (
-            cut.copy_bytes == src_bytes
-        ):  # a part of the decode token: part-major pages
+        # a part of the decode token: part-major pages
+        elif cut.copy_bytes == src_bytes:
             if in_page is None:
                 page_breaks = (
                     dst_tokens[1:] // page_size != dst_tokens[:-1] // page_size

@@ -155,9 +155,8 @@ class TritonExtendLists:
         seg_qo = torch.zeros(len(length) + 1, dtype=torch.int32, device=device)
         torch.cumsum(seg_lens, dim=0, out=seg_qo[1:])
         owned = localize_dcp_indices(seg_start, n, k, interleave_size=c) >= 0  # [S]
-        seg_owned = torch.repeat_interleave(
-            owned, seg_lens, output_size=sum(length)
-        )  # [T]
+        # [T]
+        seg_owned = torch.repeat_interleave(owned, seg_lens, output_size=sum(length))
         return cls(
             qo,
             prefix_indptr,
@@ -181,7 +180,8 @@ def dcp_gqa_attention(layer, q, k, v, forward_batch, backend) -> torch.Tensor:
     num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
     q = q.reshape(-1, num_heads, layer.qk_head_dim)  # [T, Q/TPA, D]
     mode = forward_batch.forward_mode
-    meta = backend.forward_metadata.dcp_gqa  # built by the backend's hooks, before the layers
+    # built by the backend's hooks, before the layers
+    meta = backend.forward_metadata.dcp_gqa
     if meta is None:
         raise RuntimeError(
             "dcp gqa attention: the Triton backend's init_forward_metadata (or, in a CUDA graph, "
@@ -226,9 +226,8 @@ def _triton_decode(layer, q, meta: DcpGqaDecodeMetadata, backend):
     No host value, no allocation: capturable."""
     _check_layer(layer)
     k_buf, v_buf, k_descale, v_descale = _kv_buffers(layer, backend, q.dtype)
-    out, lse = send_views(
-        meta.send, layer.v_head_dim
-    )  # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
+    # [KVP, T, Q/N, Dv], [KVP, T, Q/N]
+    out, lse = send_views(meta.send, layer.v_head_dim)
     splits = meta.attn_logits.shape[2]
     decode_attention_fwd(
         q,
@@ -263,9 +262,8 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, b
             layer, q, k.contiguous(), v.contiguous(), forward_batch, meta, backend
         )
     x = meta.extend_lists
-    outs = torch.empty(
-        (3, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device
-    )  # [3, T, Q/TPA, Dv]
+    # [3, T, Q/TPA, Dv]
+    outs = torch.empty((3, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device)
     lses = torch.empty((3, T, H), dtype=torch.float32, device=q.device)
     k, v = k.contiguous(), v.contiguous()
     # (qo_indptr, kv_indptr, kv_indices, max_len, lens_cpu) of the prefix call and the segments'
@@ -301,9 +299,8 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, b
             extend_seq_lens_cpu=lens_cpu,
         )
     lses[2].masked_fill_(~x.seg_owned[:, None], float("-inf"))
-    return dcp_lse_combine_triton(
-        outs, lses, return_lse=True
-    )  # [T, Q/TPA, Dv], [T, Q/TPA]
+    # [T, Q/TPA, Dv], [T, Q/TPA]
+    return dcp_lse_combine_triton(outs, lses, return_lse=True)
 
 
 def _tree_verify_lists(forward_batch, meta: DcpGqaForwardMetadata, req_to_token, tree):
@@ -318,9 +315,10 @@ def _tree_verify_lists(forward_batch, meta: DcpGqaForwardMetadata, req_to_token,
     )
     seq_cpu = [int(x) for x in forward_batch.seq_lens_cpu]
     drafts = forward_batch.spec_info.draft_token_num
+    # [B+1]
     qo = torch.arange(
         0, seq.shape[0] * drafts + 1, drafts, dtype=torch.int32, device=seq.device
-    )  # [B+1]
+    )
     prefix = gqa_layout.local_kv_indices(
         pool, slots, seq, gqa_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c
     )
@@ -342,9 +340,10 @@ def _tree_verify_lists(forward_batch, meta: DcpGqaForwardMetadata, req_to_token,
         full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(
             drafts, seq_len + drafts
         )
+        # [n, L + n]
         cols = torch.cat(
             [full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1
-        )  # [n, L + n]
+        )
         local_masks.append(cols.reshape(-1))
         mask_indptr.append(mask_indptr[-1] + cols.numel())
     mask_indptr = torch.tensor(mask_indptr, dtype=torch.int64, device=seq.device)
@@ -374,9 +373,8 @@ def _triton_tree_verify(
     )
     drafts = forward_batch.spec_info.draft_token_num
     lens_cpu = [drafts] * (qo.shape[0] - 1)
-    outs = torch.empty(
-        (2, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device
-    )  # [2, T, Q/TPA, Dv]
+    # [2, T, Q/TPA, Dv]
+    outs = torch.empty((2, T, H, layer.v_head_dim), dtype=q.dtype, device=q.device)
     lses = torch.empty((2, T, H), dtype=torch.float32, device=q.device)
     for i, (kv_indptr, kv_indices, mask) in enumerate(
         ((prefix_indptr, prefix_rows, None), (tree_indptr, tree_rows, local_mask))

@@ -177,16 +177,13 @@ class DcpGqaDecodeMetadata:
     backend's hooks before the layers run (``DcpGqaDecodeState.prepare``); every layer reads them.
     """
 
-    kv_indptr: (
-        torch.Tensor
-    )  # [T+1] (T = B; a tree draft step's B * topk: one list per token)
+    # [T+1] (T = B; a tree draft step's B * topk: one list per token)
+    kv_indptr: torch.Tensor
     kv_indices: torch.Tensor  # [capacity] this rank's KV rows
-    num_kv_splits: (
-        torch.Tensor
-    )  # [T] stage-1 splits per token, from its local KV length
-    attn_logits: (
-        torch.Tensor
-    )  # [T, H, S, Dv] fp32, stage 1's split outputs (S: the split extent)
+    # [T] stage-1 splits per token, from its local KV length
+    num_kv_splits: torch.Tensor
+    # [T, H, S, Dv] fp32, stage 1's split outputs (S: the split extent)
+    attn_logits: torch.Tensor
     attn_lse: torch.Tensor  # [T, H, S] fp32
     send: torch.Tensor  # [KVP, T, H/KVP, Dv + lpd]: stage 2 writes the partials here
     recv: torch.Tensor  # [KVP, T, H/KVP, Dv + lpd]
@@ -217,9 +214,8 @@ class DcpGqaDecodeBuffers:
         self.num_kv_splits = torch.ones(
             list_sets, max_bs, dtype=torch.int32, device=device
         )
-        self._workspaces: dict = (
-            {}
-        )  # (H, K, Dv, dtype, policy) -> (logits, lse, send, recv)
+        # (H, K, Dv, dtype, policy) -> (logits, lse, send, recv)
+        self._workspaces: dict = {}
 
     def workspace(self, num_tokens, num_heads, num_kv_heads, v_head_dim, dtype, policy):
         """``(attn_logits [T, H, S, Dv], attn_lse [T, H, S], send, recv)``: allocated once per head
@@ -279,9 +275,8 @@ def draft_list_sets() -> int:
 
 
 def _has_draft_steps() -> bool:
-    alg = (
-        get_spec().speculative_algorithm
-    )  # NGRAM's top-k shapes its verify; it has no draft steps
+    # NGRAM's top-k shapes its verify; it has no draft steps
+    alg = get_spec().speculative_algorithm
     return not (alg is None or str(alg).upper() == "NGRAM")
 
 
@@ -444,9 +439,8 @@ class DcpGqaDecodeState:
             raise RuntimeError(
                 "dcp gqa decode: init_graph_state was not called before capture"
             )
-        list_set = (
-            step if step is not None and buffers.fixed else 0
-        )  # a step's own buffers: one set
+        # a step's own buffers: one set
+        list_set = step if step is not None and buffers.fixed else 0
         if list_set >= buffers.kv_indptr.shape[0]:
             raise RuntimeError(
                 f"dcp gqa decode: draft step {step} has no list set of its own "
@@ -519,9 +513,8 @@ class DcpGqaDecodeState:
             None,
         )
         batch = slots.shape[0]
-        if (
-            ends.shape[0] != batch and batch
-        ):  # a tree draft step: the prefix, then the branch's drafts
+        # a tree draft step: the prefix, then the branch's drafts
+        if ends.shape[0] != batch and batch:
             slots, lens, offsets, starts = self._tree_segments(
                 forward_batch, ends, local_lens, kv_indptr
             )
@@ -553,12 +546,10 @@ class DcpGqaDecodeState:
         page, steps = c * n, get_spec().speculative_num_steps
         batch = forward_batch.req_pool_indices.shape[0]
         branch = torch.arange(topk, device=seq.device).repeat(batch)
-        start = (
-            seq + branch * ((seq % page + steps + page - 1) // page) * page
-        )  # [T] branch's first draft
-        prefix_lens = local_kv_lens(
-            seq, k, n, c
-        )  # [T]; the branch: local_lens - prefix_lens
+        # [T] branch's first draft
+        start = seq + branch * ((seq % page + steps + page - 1) // page) * page
+        # [T]; the branch: local_lens - prefix_lens
+        prefix_lens = local_kv_lens(seq, k, n, c)
         pair = lambda a, b: torch.stack([a, b], dim=1).reshape(-1)  # noqa: E731
         slots = forward_batch.req_pool_indices.repeat_interleave(topk)
         offsets = kv_indptr[:-1].to(torch.int64)

@@ -37,19 +37,18 @@ def move_kv_cache_by_owner(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -
         parallel.dcp_group,
     )
     src_rows = write_rows(src_loc, k, n, c)  # [M]
-    tgt_rows = write_rows(tgt_loc, k, n, c).clamp(
-        min=0
-    )  # [M]; a target another rank owns: row 0
+    # [M]; a target another rank owns: row 0
+    tgt_rows = write_rows(tgt_loc, k, n, c).clamp(min=0)
     buffers = list(pool.k_buffer) + list(pool.v_buffer)  # 2L of [rows, K/TPA, D]
+    # [M, 2L, K/TPA, D']
     local = torch.stack(
         [b[src_rows.clamp(min=0)].view(torch.uint8) for b in buffers], dim=1
-    )  # [M, 2L, K/TPA, D']
+    )
     local.masked_fill_((src_rows < 0).view(-1, 1, 1, 1), 0)
     gathered = local.new_empty((n,) + local.shape)  # [KVP, M, 2L, K/TPA, D']
     group.all_gather_into_tensor(gathered.view(-1, *local.shape[1:]), local)
     owner = owner_rank(src_loc, n, c)  # [M]
-    moved = gathered[
-        owner, torch.arange(owner.shape[0], device=owner.device)
-    ]  # [M, 2L, K/TPA, D']
+    # [M, 2L, K/TPA, D']
+    moved = gathered[owner, torch.arange(owner.shape[0], device=owner.device)]
     for i, b in enumerate(buffers):
         b[tgt_rows] = moved[:, i].view(b.dtype)

@@ -86,16 +86,18 @@ def local_kv_indices(
     ends = kv_lens.to(torch.int64)
     starts = None if kv_starts is None else kv_starts.to(torch.int64)
     spans = ends if starts is None else ends - starts
+    # [B]
     local_lens = get_dcp_lens(
         spans, kvp_size, kvp_rank, start=starts, interleave_size=chunk
-    )  # [B]
+    )
     kv_indptr = torch.zeros(kv_lens.shape[0] + 1, dtype=torch.int32, device=device)
     torch.cumsum(local_lens, dim=0, out=kv_indptr[1:])
+    # [L] request of each listed token
     batch = torch.repeat_interleave(
         torch.arange(kv_lens.shape[0], device=device),
         local_lens,
         output_size=total_local,
-    )  # [L] request of each listed token
+    )
     local_pos = (
         torch.arange(total_local, device=device) - kv_indptr[:-1].to(torch.int64)[batch]
     )

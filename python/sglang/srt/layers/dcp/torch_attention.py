@@ -39,9 +39,8 @@ class DcpTorchMetadata:
     """One forward's DCP lists on torch_native, built once per batch (``dcp_torch_metadata``) and
     only read by the layers."""
 
-    store: Tuple[
-        torch.Tensor, torch.Tensor
-    ]  # (owned token indices [t], their rows [t])
+    # (owned token indices [t], their rows [t])
+    store: Tuple[torch.Tensor, torch.Tensor]
     # the local KV list of positions [0, kv_end) (new tokens included): indptr [B+1], rows [L],
     # their global positions [L]; the indptr on the host, and per request the first row of its
     # list when the list is one ascending run of rows (r0, r0 + 1, ...), else None: then the
@@ -78,9 +77,8 @@ def dcp_torch_metadata(
     if mode.is_decode() and forward_batch.spec_info is not None and draft_rows is None:
         return None
     n, k, c = dcp_size, dcp_rank, interleave_size
-    rows = gqa_layout.write_rows(
-        forward_batch.out_cache_loc, k, n, c
-    )  # [T], -1: not owned
+    # [T], -1: not owned
+    rows = gqa_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
     owned = (rows >= 0).nonzero().squeeze(1)
     if draft_rows is not None:
         table, slots, kv_ends, kv_ends_cpu = draft_rows
@@ -334,6 +332,7 @@ def _attend_batch_cpu(q, k, v, scaling, visible):
     bias = bias.masked_fill_(~visible, -math.inf)
     if visible.shape[1] > 1:
         bias = bias.repeat(1, group, 1)
+    # [B, Hk, g * Q, Dv], [B, Hk, g * Q]
     o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qg.reshape(B, num_kv_heads, group * Q, D),
         k.transpose(1, 2),
@@ -342,7 +341,7 @@ def _attend_batch_cpu(q, k, v, scaling, visible):
         False,
         attn_mask=bias[:, None],
         scale=scaling,
-    )  # [B, Hk, g * Q, Dv], [B, Hk, g * Q]
+    )
     o = o.view(B, num_kv_heads, group, Q, -1).permute(0, 3, 1, 2, 4).reshape(T, H, -1)
     m = m.view(B, num_kv_heads, group, Q).permute(0, 3, 1, 2).reshape(T, H)
     blind = ~visible.any(dim=2).expand(B, Q).reshape(T)  # queries that see no key here
