@@ -306,56 +306,47 @@ def _triton_extend(layer, q, k, v, forward_batch, meta: DcpGqaForwardMetadata, b
 def _tree_verify_lists(forward_batch, meta: DcpGqaForwardMetadata, req_to_token, tree):
     """A Triton tree verify's lists (``_triton_tree_verify``): ``(qo_indptr [B+1], the owned
     committed prefix's indptr and rows, the owned tree keys' indptr and rows, their mask columns
-    [n, L + n] per request back to back, its indptr)``."""
+    [n, L + n] per request back to back, its indptr)``. Vectorized over the batch; host sizes from
+    the host lengths."""
     kr, n, c = meta.kvp_rank, meta.kvp_size, meta.chunk
     pool, slots, seq = (
         req_to_token,
         forward_batch.req_pool_indices,
         forward_batch.seq_lens,
     )
-    seq_cpu = [int(x) for x in forward_batch.seq_lens_cpu]
-    drafts = forward_batch.spec_info.draft_token_num
+    seq_cpu = torch.as_tensor(forward_batch.seq_lens_cpu, dtype=torch.int64)
+    device = seq.device
+    drafts, B = forward_batch.spec_info.draft_token_num, seq.shape[0]
     # [B+1]
-    qo = torch.arange(
-        0, seq.shape[0] * drafts + 1, drafts, dtype=torch.int32, device=seq.device
-    )
-    prefix = gqa_layout.local_kv_indices(
-        pool, slots, seq, gqa_layout.total_local_len(seq_cpu, kr, n, c), kr, n, c
-    )
-    ends_cpu = [x + drafts for x in seq_cpu]
-    owned_tree = gqa_layout.total_local_len(
-        ends_cpu, kr, n, c
-    ) - gqa_layout.total_local_len(seq_cpu, kr, n, c)
+    qo = torch.arange(0, B * drafts + 1, drafts, dtype=torch.int32, device=device)
+    owned_prefix = gqa_layout.total_local_len(seq_cpu, kr, n, c)
+    prefix = gqa_layout.local_kv_indices(pool, slots, seq, owned_prefix, kr, n, c)
+    owned_tree = gqa_layout.total_local_len(seq_cpu + drafts, kr, n, c) - owned_prefix
     tree_indptr, tree_rows, tree_pos = gqa_layout.local_kv_indices(
         pool, slots, seq + drafts, owned_tree, kr, n, c, kv_starts=seq
     )
+    # request b's local mask [n, L_b + n]: its rows of the tree's mask [n, seq_len + n] at the
+    # columns of its L_b owned tree keys (a key's column is its position), then n zero columns
+    # (the kernel's skipped extend part)
     mask, offsets = tree
-    local_masks, mask_indptr = [], [0]
-    owned = lambda end: end // (n * c) * c + min(
-        max(end % (n * c) - kr * c, 0), c
-    )  # noqa: E731 (host)
-    hi = 0
-    for b, seq_len in enumerate(seq_cpu):  # request b's span in the tree list: [lo, hi)
-        lo, hi = hi, hi + owned(seq_len + drafts) - owned(seq_len)
-        full = mask[offsets[b] : offsets[b] + drafts * (seq_len + drafts)].view(
-            drafts, seq_len + drafts
-        )
-        # [n, L + n]
-        cols = torch.cat(
-            [full[:, tree_pos[lo:hi]], full.new_zeros(drafts, drafts)], dim=1
-        )
-        local_masks.append(cols.reshape(-1))
-        mask_indptr.append(mask_indptr[-1] + cols.numel())
-    mask_indptr = torch.tensor(mask_indptr, dtype=torch.int64, device=seq.device)
-    return (
-        qo,
-        prefix[0],
-        prefix[1],
-        tree_indptr,
-        tree_rows,
-        torch.cat(local_masks),
-        mask_indptr,
+    tree_lens = (tree_indptr[1:] - tree_indptr[:-1]).long()  # [B]
+    mask_indptr = torch.zeros(B + 1, dtype=torch.int64, device=device)
+    torch.cumsum(drafts * (tree_lens + drafts), 0, out=mask_indptr[1:])
+    total = drafts * (owned_tree + B * drafts)
+    b = torch.repeat_interleave(
+        torch.arange(B, device=device),
+        mask_indptr[1:] - mask_indptr[:-1],
+        output_size=total,
     )
+    at = torch.arange(total, device=device) - mask_indptr[b]
+    row, col = at // (tree_lens[b] + drafts), at % (tree_lens[b] + drafts)
+    key = col < tree_lens[b]
+    # [owned_tree + 1]: one pad entry for the zero columns
+    key_pos = torch.cat([tree_pos, tree_pos.new_zeros(1)])
+    pos = key_pos[torch.where(key, tree_indptr[:-1].long()[b] + col, owned_tree)]
+    full_at = offsets[b] + row * (seq.long()[b] + drafts) + pos
+    local_mask = torch.where(key, mask[full_at], torch.zeros_like(mask[:1]))
+    return qo, prefix[0], prefix[1], tree_indptr, tree_rows, local_mask, mask_indptr
 
 
 def _triton_tree_verify(

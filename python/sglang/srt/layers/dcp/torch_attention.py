@@ -134,7 +134,7 @@ def _pad_lists(meta: DcpTorchMetadata, forward_batch) -> None:
         # request b's rows of the tree's mask [Q, seq_len + Q], at the keys it owns here
         mask, offsets = tree
         width = forward_batch.seq_lens.to(device) + Q  # [B]
-        start = torch.tensor(offsets, device=device)  # [B]
+        start = offsets.to(device)  # [B]
         row = torch.arange(Q, device=device)
         flat = start[:, None, None] + row[None, :, None] * width[:, None, None]
         visible = mask[flat + key_pos[:, None, :]].bool()  # [B, Q, L]
@@ -144,34 +144,30 @@ def _pad_lists(meta: DcpTorchMetadata, forward_batch) -> None:
     meta.padded_visible = visible & valid[:, None, :]
 
 
-def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, list]:
-    """``([B] tensor, host list)``: the end of each request's attended positions ``[0, end)``, new
+def kv_ends_of(forward_batch) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``([B] tensor, its host copy)``: the end of each request's attended positions ``[0, end)``, new
     tokens included: ``seq_lens``; a target verify adds its ``draft_token_num`` drafts. (A draft
     decode step's ends come with its rows: the torch_native draft backend's ``draft_decode_metadata``,
     on Triton ``draft_kv_ends``.)"""
     if forward_batch.forward_mode.is_target_verify():
         drafts = forward_batch.spec_info.draft_token_num
-        return forward_batch.seq_lens + drafts, [
-            int(x) + drafts for x in forward_batch.seq_lens_cpu
-        ]
+        return forward_batch.seq_lens + drafts, forward_batch.seq_lens_cpu + drafts
     return forward_batch.seq_lens, forward_batch.seq_lens_cpu
 
 
-def tree_mask_of(forward_batch) -> Optional[Tuple[torch.Tensor, list]]:
+def tree_mask_of(forward_batch) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """A tree verify's (top-k > 1) ``custom_mask`` in the FULL_MASK layout -- per request ``[n,
-    seq_len + n]`` flattened, back to back -- and each request's offset in it (host), else None.
-    """
+    seq_len + n]`` flattened, back to back -- and each request's offset in it (``[B]``, on the
+    mask's device), else None."""
     spec = forward_batch.spec_info
     if (
         not forward_batch.forward_mode.is_target_verify()
         or getattr(spec, "tree_topk", 1) == 1
     ):
         return None
-    n, offsets, at = spec.draft_token_num, [], 0
-    for seq_len in forward_batch.seq_lens_cpu:
-        offsets.append(at)
-        at += n * (int(seq_len) + n)
-    return spec.custom_mask, offsets
+    n, mask = spec.draft_token_num, spec.custom_mask
+    sizes = n * (forward_batch.seq_lens.to(mask.device, torch.int64) + n)
+    return mask, torch.cumsum(sizes, 0) - sizes
 
 
 def dcp_partial_attention(
