@@ -471,12 +471,10 @@ class DcpGqaDecodeState:
         The host bound of a draft step's lists: the committed length plus the most tokens a draft
         may write past it (``max_speculative_num_draft_tokens``, adaptive speculation's largest).
         """
-        ends_cpu = [int(n) for n in forward_batch.seq_lens_cpu]
-        if step is not None:
+        ends_cpu = torch.as_tensor(forward_batch.seq_lens_cpu, dtype=torch.int64)
+        if step is not None:  # [T]: a tree step's top-k tokens per request
             bound = max_speculative_num_draft_tokens() or 1
-            ends_cpu = [
-                n + bound for n in ends_cpu for _ in range(num_tokens // len(ends_cpu))
-            ]
+            ends_cpu = (ends_cpu + bound).repeat_interleave(num_tokens // len(ends_cpu))
         total = int(
             local_kv_lens(ends_cpu, self.kvp_rank, self.kvp_size, self.chunk).sum()
         )
