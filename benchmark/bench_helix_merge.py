@@ -6,7 +6,7 @@ All-to-All), compiled on a GPU; without one they run under ``TRITON_INTERPRET=1`
 CUDA is absent), as on the CPU harness with ``--attention-backend triton``. ``torch``: the series'
 torch pack and combine (``dcp_pack_a2a_send_torch``, ``dcp_lse_combine_torch``: what the reduce
 runs on a CPU without the interpreter, e.g. ``--attention-backend torch_native`` on the CPU
-harness). The send buffer is Helix's (``decode_state.a2a_buffer_shape`` / ``send_views``).
+harness). The send buffer is the GQA mode's decode's (``comm.dcp_a2a_send_buffer``).
 
     .venv/bin/python benchmark/bench_helix_merge.py [--head-dim 64] [--tokens 1,64]
 """
@@ -28,7 +28,7 @@ from sglang.kernels.ops.attention.dcp_kernels import (  # noqa: E402
     dcp_pack_a2a_send,
     dcp_pack_a2a_send_torch,
 )
-from sglang.srt.layers.dcp.gqa_decode import a2a_buffer_shape, send_views  # noqa: E402
+from sglang.srt.layers.dcp.comm import dcp_a2a_send_buffer  # noqa: E402
 
 PATHS = {  # name: (pack, combine)
     "triton": (dcp_pack_a2a_send, dcp_lse_combine_triton),
@@ -63,8 +63,7 @@ def main() -> None:
         kvp, H = (int(x) for x in pair.split(":"))
         for T in (int(t) for t in args.tokens.split(",")):
             out, lse = torch.randn(T, H, D, device=device), torch.randn(T, H, device=device)
-            send = torch.empty(a2a_buffer_shape(T, H, D, out.dtype, kvp), device=device)
-            dst_o, dst_lse = send_views(send, D)
+            _, dst_o, dst_lse = dcp_a2a_send_buffer(T, H, D, out.dtype, kvp, device)
             outs = torch.randn(kvp, T, H // kvp, D, device=device)
             lses = torch.randn(kvp, T, H // kvp, device=device)
             times = []

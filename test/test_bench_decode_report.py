@@ -98,7 +98,7 @@ def test_profile_buckets_put_waits_before_compute(tmp_path):
     raw = tmp_path / "rank0.txt"
     raw.write_text("\n".join([
         f"{loop};LlamaMLP.forward (llama.py:1);GroupCoordinator.all_reduce (parallel_state.py:2) 6",
-        f"{loop};dcp_gqa_attention (attention.py:1);dcp_partial_attention (attention.py:2);einsum (functional.py:3) 2",
+        f"{loop};_forward_dcp (torch_native_backend.py:1);dcp_partial_attention (attention.py:2);einsum (functional.py:3) 2",
         f"{loop};Scheduler.recv_requests (scheduler.py:3);broadcast_pyobj (common.py:4) 2",
         "proc;Thread._bootstrap (threading.py:1);WatchdogRaw._watchdog_thread (watchdog.py:2) 90",
     ]) + "\n")  # fmt: skip

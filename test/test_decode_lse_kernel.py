@@ -304,11 +304,11 @@ def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, k
     out_view, lse_view = views(send)
     run_kernel(patched, *args, o=out_view, output_lse=lse_view)
     assert torch.equal(send.view(torch.int32), packed.view(torch.int32))
-    if importlib.util.find_spec("sglang.srt.layers.dcp.gqa_decode") is not None:
-        from sglang.srt.layers.dcp import gqa_decode as decode_state
-
-        assert decode_state.a2a_buffer_shape(B, H, head_dim, q.dtype, kvp) == shape
-        for mine, gqa in zip(views(send), decode_state.send_views(send, head_dim)):
+    comm = importlib.import_module("sglang.srt.layers.dcp.comm")
+    if hasattr(comm, "dcp_a2a_send_buffer"):  # the GQA mode's decode hands the kernel these views
+        buf, *gqa_views = comm.dcp_a2a_send_buffer(B, H, head_dim, q.dtype, kvp, "cpu")
+        assert tuple(buf.shape) == shape
+        for mine, gqa in zip(views(buf), gqa_views):
             assert (mine.data_ptr(), mine.shape, mine.stride(), mine.dtype) == (
                 gqa.data_ptr(), gqa.shape, gqa.stride(), gqa.dtype,
             )  # fmt: skip

@@ -340,7 +340,7 @@ UNSUPPORTED = {
         "or use --helix-kvp-size 1.",
     ),
     # Prefill and decode on different backends: SGLang wraps them in a HybridAttnBackend, which
-    # dcp_gqa_attention used to run through its per-request torch loop.
+    # the GQA mode does not run (one backend serves both phases).
     "split-backends": (
         ["--prefill-attention-backend", "triton", "--decode-attention-backend", "torch_native"],
         _unsupported("different prefill and decode attention backends",

@@ -1,7 +1,7 @@
 """Helix All-to-All + LSE merge, on upstream DCP's machinery.
 
 The exchange + merge is ``sglang.srt.layers.dcp.comm.dcp_a2a_lse_reduce`` (pack, ONE All-to-All,
-combine) and, for a send buffer a kernel already filled (Helix decode: ``decode_state.send_views``),
+combine) and, for a send buffer a kernel already filled (the GQA mode's decode: ``dcp_a2a_send_buffer``'s views),
 ``dcp_a2a_lse_reduce_packed``. The merge alone is ``dcp_lse_combine_triton`` (upstream) and
 ``dcp_lse_combine_torch`` (the series' torch path, taken where Triton does not run: a CPU tensor
 without ``TRITON_INTERPRET=1``), the pack ``dcp_pack_a2a_send`` / ``dcp_pack_a2a_send_torch``.
@@ -45,8 +45,19 @@ from sglang.kernels.ops.attention.dcp_kernels import (  # noqa: E402
 from sglang.srt.layers.dcp import comm as dcp_comm  # noqa: E402
 from sglang.srt.layers.dcp.comm import dcp_a2a_lse_reduce, dcp_a2a_lse_reduce_packed  # noqa: E402
 from sglang.srt.layers.dcp.layout import localize_dcp_indices  # noqa: E402
-from sglang.srt.layers.dcp.gqa_decode import a2a_buffer_shape, send_views  # noqa: E402
+from sglang.srt.layers.dcp.comm import dcp_a2a_send_buffer  # noqa: E402
 from sglang_helix.testing.workers import run_workers  # noqa: E402
+
+
+def a2a_buffer_shape(num_tokens, num_heads, head_dim, dtype, kvp):
+    """The send buffer's shape, as ``dcp_a2a_send_buffer`` allocates it."""
+    return tuple(dcp_a2a_send_buffer(num_tokens, num_heads, head_dim, dtype, kvp, "meta")[0].shape)
+
+
+def send_views(buf, head_dim):
+    """``(out, lse)`` of a send buffer: the views ``dcp_a2a_send_buffer`` hands a kernel."""
+    lpd = buf.shape[-1] - head_dim
+    return buf[..., :head_dim], buf.view(torch.float32)[..., head_dim // lpd]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -466,7 +477,7 @@ def _worker(rank, world, init_file, path):
 def _run(world, path, timeout_s=180.0):
     # Children fork from a server that has imported torch and the kernels once (a spawned child
     # would pay the imports each).
-    preload = ["sglang.srt.layers.dcp.comm", "sglang.srt.layers.dcp.gqa_decode"]
+    preload = ["sglang.srt.layers.dcp.comm"]
     run_workers(_worker, world, timeout_s, f"helix merge (world {world})", preload, args=(path,))
 
 

@@ -3,7 +3,7 @@
 The reference is not the patched tree run without Helix, but the wheel's own bytes: the pinned
 wheel's ``sglang/`` is unpacked into a directory that is put first on the server's ``PYTHONPATH``,
 so ``python -m sglang.launch_server`` imports it instead of the patched site-packages copy (checked
-below: the overlay has no ``sglang.srt.layers.dcp.gqa_attention`` and its touched files hash like the wheel's
+below: the overlay has no ``sglang.srt.layers.dcp.gqa_decode`` and its touched files hash like the wheel's
 RECORD). Everything else (torch, the sgl_kernel stub, the CPU engine environment) is shared.
 
 - ``--tp 1``: the wheel exactly as published.
@@ -64,7 +64,7 @@ def test_overlay_shadows_the_patched_install(pristine_overlays):
     """The server processes would import the pristine sglang: no GQA-mode module, upstream bytes."""
     probe = (
         "import importlib.util, sglang; print(sglang.__file__); "
-        "print(importlib.util.find_spec('sglang.srt.layers.dcp.gqa_attention') is None)"
+        "print(importlib.util.find_spec('sglang.srt.layers.dcp.gqa_decode') is None)"
     )
     for name, overlay in pristine_overlays.items():
         env = {**os.environ, **_overlay_env(overlay)}
@@ -74,7 +74,7 @@ def test_overlay_shadows_the_patched_install(pristine_overlays):
     # The patched install does have them (so the check above can fail).
     import importlib.util
 
-    assert importlib.util.find_spec("sglang.srt.layers.dcp.gqa_attention") is not None
+    assert importlib.util.find_spec("sglang.srt.layers.dcp.gqa_decode") is not None
 
 
 # Not bit-equal: a prefill's float32 results depend on how the scheduler happened to batch the

@@ -504,12 +504,9 @@ PREFIX_TESTS = {
     "[CPU] NGRAM: the verify's tree indices in torch on the CPU engine": ["test/test_ngram_tree_indices.py"],
     "[DCP] KV cache: a speculative draft is sharded like its target": ["test/test_helix_kv_cache.py"],
     "[DCP] KV cache: move_kv_cache moves a logical id's K/V to its target's owner": ["test/test_helix_kv_move.py"],
-    "[DCP] Triton backend: decode lists in persistent buffers, CUDA-graph hooks": [
-        # the allocator's torch path (a PD prefill's staging charge is the PD patch's)
-        "test/test_helix_kv_layout.py", "test/test_helix_memory.py", "-k", "not triton and not pd_prefill",
-    ],
-    "[DCP] Attention backends: the GQA mode's attention in Triton and torch_native": [
-        "test/test_helix_import.py", "test/test_helix_decode_graph.py", "-k", "not draft_steps",  # (the draft-graph patch's)
+    "[DCP] Triton, torch_native: this rank's lists and K/V store at --dcp-interleave-size": [
+        "test/test_helix_kv_layout.py", "test/test_helix_import.py", "test/test_helix_decode_graph.py",
+        "-k", "not draft_steps and not split_policy and not split_extent and not graph_buffers",
     ],
     "[DCP] Llama, Mistral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
@@ -534,20 +531,24 @@ PREFIX_TESTS = {
         "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
     ],
     _PD_RELAYOUT: ["test/test_helix_pd.py", "-m", "not e2e"],
-    "[DCP] Speculation: each draft step's lists from its backend's hooks, eager and in CUDA graphs": [
-        "test/test_helix_decode_graph.py", "-m", "not e2e", "-k", "capture_replay",
+    "[DCP] Speculation: the verify's and each draft step's lists over DCP's layout, eager and in CUDA graphs": [
+        "test/test_helix_decode_graph.py", "test/test_helix_attention.py", "-m", "not e2e", "-k",
+        "draft_steps or speculative or tree_verify",
+    ],
+    "[DCP] GQA-mode decode: stage 2 writes the All-to-All's send buffer, and a split extent per batch": [
+        "test/test_helix_decode_graph.py", "test/test_helix_memory.py", "test/test_helix_merge.py", "-m", "not e2e",
+        "-k", "not pd_prefill",
     ],
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.
 _SERVER_ARGS = "[Helix] Server args: the Helix flags resolve into DCP's GQA mode"
-_TRITON_BACKEND = "[DCP] Triton backend: decode lists in persistent buffers, CUDA-graph hooks"
+_DECODE_PERF = "[DCP] GQA-mode decode: stage 2 writes the All-to-All's send buffer, and a split extent per batch"
 NEW_MODULE_PATCHES = {
     "sglang/srt/layers/dcp/torch_attention.py": "[DCP] torch_native: decode context parallelism",
     "sglang/srt/arg_groups/helix_hook.py": _SERVER_ARGS,
     "sglang/srt/layers/dcp/gqa_layout.py": "[DCP] torch_native: decode context parallelism",
-    "sglang/srt/layers/dcp/gqa_decode.py": _TRITON_BACKEND,
-    "sglang/srt/layers/dcp/gqa_attention.py": "[DCP] Attention backends: the GQA mode's attention in Triton and torch_native",
+    "sglang/srt/layers/dcp/gqa_decode.py": _DECODE_PERF,
     "sglang/srt/layers/dcp/gqa_kv_move.py": "[DCP] KV cache: move_kv_cache moves a logical id's K/V to its target's owner",
     "sglang/srt/disaggregation/common/dcp_gqa.py": _PD_RELAYOUT,
 }

@@ -1,11 +1,11 @@
 """Unit-level Helix launches at real model shapes, for the Triton specialization record (issue 35).
 
-Drives the Triton backend's ``forward_extend`` / ``forward_decode`` (upstream's K/V store, then
-their DCP branch, ``dcp_gqa_attention``) for one KVP rank (a chunked prefill of two requests -- an
-extend without and one with a prefix -- then decode steps at every batch that gives a different split extent)
-through the Triton backend's real code path, with the GPU's split policy (an SM count, so the
-per-request split counts and the batch-dependent split extent are what an H100 server launches),
-at the per-rank head counts of:
+Drives the Triton backend's ``init_forward_metadata`` and ``forward_extend`` / ``forward_decode``
+(the K/V store, then their DCP branch) on the KVP ranks of one group (``testing.dcp_ranks``: the real
+backends, the real All-to-All between threads) -- a chunked prefill of two requests (an extend
+without and one with a prefix), then decode steps at every batch that gives a different split
+extent -- with the GPU's split policy (an SM count, so the per-request split counts and the
+batch-dependent split extent are what an H100 server launches), at the per-rank head counts of:
 
 - Llama-3.1-70B (64 query / 8 KV heads, head dim 128) at TPA 2 and 4;
 - Qwen3-235B-A22B (64 / 4, head dim 128) at TPA 2 and 4;
@@ -102,106 +102,65 @@ def decode_batches(h: int, kvh: int) -> list[int]:
 def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend=True, decode=True):
     import torch
 
-    from sglang.srt import runtime_context
-    from sglang.srt.layers.dcp import gqa_attention as attention
-    from sglang.srt.layers.radix_attention import AttentionType
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.layers.dcp import gqa_decode
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang_helix.testing.dcp_ranks import Ranks, Shape, layer, self_attn
 
     kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_name]
     scales = (2.5, 0.25) if kv_name.startswith("fp8") else None
     batches = batches or decode_batches(H, KVH)
-    slots = max(max(batches), 2)
-    max_len = 2 * CHUNK * kvp + 8
-    page = CHUNK * kvp
-    req_to_token = torch.zeros(slots, max_len, dtype=torch.int32)
-    for s in range(slots):
-        req_to_token[s] = page * (1 + s * (max_len // page + 1)) + torch.arange(max_len, dtype=torch.int32)
-    rows = (slots * (max_len // page + 1) + 2) * CHUNK
-    pool = MHATokenToKVPool(rows, 1, kv_dtype, KVH, D, 1, "cpu", enable_memory_saver=False)
-    layer = SimpleNamespace(
-        layer_id=0, tp_q_head_num=H, tp_k_head_num=KVH, qk_head_dim=D, v_head_dim=D, scaling=D**-0.5,
-        k_scale=None if scales is None else torch.tensor(scales[0]),
-        v_scale=None if scales is None else torch.tensor(scales[1]),
-        k_scale_float=None if scales is None else scales[0], v_scale_float=None if scales is None else scales[1],
-        logit_cap=0.0, sliding_window_size=-1, logit_capping_method="tanh", is_cross_attention=False,
-        attn_type=AttentionType.DECODER,
+    shape = Shape(
+        heads=H, kv_heads=KVH, head_dim=D, kvp=kvp, chunk=CHUNK, slots=max(max(batches), 2),
+        max_len=2 * CHUNK * kvp + 8, kv_dtype=kv_dtype, dtype=torch.bfloat16, max_kv_splits=MAX_KV_SPLITS,
     )  # fmt: skip
-    saved = (runtime_context._PARALLEL, attention.dcp_a2a_lse_reduce, attention.dcp_a2a_lse_reduce_packed)
-    try:
-        runtime_context._PARALLEL = SimpleNamespace(
-            attn_dcp_rank=0, attn_dcp_size=kvp, dcp_interleave_size=CHUNK, dcp_group=None
-        )
-        # no All-to-All: this rank's partial stands for the merge (nothing is checked here)
-        attention.dcp_a2a_lse_reduce = lambda out, lse, group: out
-        attention.dcp_a2a_lse_reduce_packed = lambda send, recv, T, group: send[0, :T].reshape(T, -1)[:, : H * D]
-        _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode, pool, req_to_token, layer)
-    finally:
-        runtime_context._PARALLEL, attention.dcp_a2a_lse_reduce, attention.dcp_a2a_lse_reduce_packed = saved
-
-
-def _run_steps(H, KVH, D, kvp, name, kv_name, recorder, batches, extend, decode, pool, req_to_token, layer):
-    import torch
-
-    from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
-    from sglang.srt.layers.dcp import gqa_attention as attention
-    from sglang.srt.layers.dcp.gqa_decode import DcpGqaDecodeState
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    class _Backend(TritonAttnBackend):
-        def __init__(self, pool, req_to_token, state):
-            self.token_to_kv_pool, self.req_to_token, self.max_kv_splits = pool, req_to_token, MAX_KV_SPLITS
-            self.dcp_gqa_decode = state  # the mode's decode state (what marks the mode)
-            # the decode workspace's heads and dtype (the layers'); not a draft step's backend
-            self.num_head, self.num_kv_head, self.v_head_dim = H, KVH, D
-            self.dcp_gqa_dtype, self.dcp_draft_step = torch.bfloat16, None
-            self.static_kv_splits, self.device_core_count, self.split_tile_size = False, CORE_COUNT, None
-            self.dcp_size, self.dcp_rank, self.dcp_interleave_size = kvp, 0, CHUNK
-            # what forward_decode / forward_extend read before their DCP branch
-            self.use_dense_fp8_chunked_prefill = self.use_mla = self.is_draft_runner = False
-            self.allow_bidirectional_attention_in_extend = self.enable_deterministic = False
-            self.enable_lean_attention = False
-            self.forward_metadata = ForwardMetadata(*[None] * 13)
-
+    ranks = Ranks(shape, "triton")
+    for backend in ranks.backends:  # a GPU's split policy
+        backend.device_core_count = CORE_COUNT
+        backend.dcp_split_policy = gqa_decode.kv_split_policy(MAX_KV_SPLITS, CORE_COUNT, False, None)
+    L = layer(shape, scales=scales)
     g = torch.Generator().manual_seed(0)
+    table = ranks.req_to_token
 
     def batch_of(mode, reqs):
         sl = torch.tensor([s for s, _, _ in reqs])
         prefix = torch.tensor([p for _, p, _ in reqs])
         seq = torch.tensor([n for _, _, n in reqs])
         return SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE,
-            req_pool_indices=sl, seq_lens=seq, seq_lens_cpu=seq,
-            positions=torch.cat([torch.arange(p, n) for _, p, n in reqs]), spec_info=None,
-            out_cache_loc_is_physical=False, mha_one_shot=False, out_cache_loc=torch.cat([req_to_token[s, p:n] for s, p, n in reqs]).long(),
+            forward_mode=ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE, batch_size=len(reqs),
+            req_pool_indices=sl, seq_lens=seq, seq_lens_cpu=seq, seq_lens_sum=int(seq.sum()),
+            positions=torch.cat([torch.arange(p, n) for _, p, n in reqs]), spec_info=None, kv_loc_plan=None,
+            out_cache_loc_is_physical=False, mha_one_shot=False, attn_attend_prefix_cache=False, encoder_lens=None,
+            out_cache_loc=torch.cat([table[s, p:n] for s, p, n in reqs]).long(),
             extend_prefix_lens=prefix, extend_prefix_lens_cpu=prefix.tolist(),
             extend_seq_lens=seq - prefix, extend_seq_lens_cpu=(seq - prefix).tolist(),
         )  # fmt: skip
 
-    def step(mode, reqs, state=None):
+    def step(mode, reqs):
         T = sum(n - p for _, p, n in reqs)
         q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
         k = torch.randn(T, KVH, D, generator=g).to(torch.bfloat16)
         v = torch.randn(T, KVH, D, generator=g).to(torch.bfloat16)
-        backend = _Backend(pool, req_to_token, state)
         fb = batch_of(mode, reqs)
-        TritonAttnBackend.init_forward_metadata(backend, fb)  # in the GQA mode: dcp_gqa_forward_metadata
         if recorder is not None:
             from sglang.kernels.ops.attention import extend_attention as ea
 
             arch = f" sm{ea.CUDA_CAPABILITY[0]}0" if mode == "extend" and ea._is_cuda else ""
             recorder.context = f"triton_shapes {name} kv={kv_name} kvp={kvp} {mode} T={T}{arch}"
-        # the layer's self.attn: the backend's forward (upstream's K/V store, then its DCP branch)
-        forward = backend.forward_extend if mode == "extend" else backend.forward_decode
-        forward(q.reshape(T, -1), k, v, layer, fb)
+
+        def rank_step(rank):
+            backend = ranks.backends[rank]
+            backend.init_forward_metadata(fb)
+            self_attn(backend, L, q, k.clone(), v.clone(), fb)
+
+        ranks.run(rank_step)
 
     ctx = CHUNK * kvp + 5  # every rank owns a chunk, rank 0 two
-    state = DcpGqaDecodeState(req_to_token, 0, kvp, CHUNK)
     for capability in EXTEND_CAPABILITIES if extend else ():
         with extend_configured_for(capability):  # a chunked prefill: the first chunk, then the rest
-            step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)], state)
-            step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)], state)
+            step("extend", [(0, 0, CHUNK + 3), (1, 0, 5)])
+            step("extend", [(0, CHUNK + 3, ctx), (1, 5, ctx)])
     for b in batches if decode else ():
-        step("decode", [(s, ctx, ctx + 1) for s in range(b)], state)
+        step("decode", [(s, ctx, ctx + 1) for s in range(b)])
 
 
 def run_all(recorder=None, quick=False):

@@ -1,9 +1,9 @@
 """Per-rank K/V dumps for test/test_helix_kv_consistency.py.
 
-On PYTHONPATH of a CPU server with HELIX_KV_DUMP_DIR set, this wraps the Triton GQA mode's
-``sglang.srt.layers.dcp.gqa_attention.dcp_gqa_attention`` when sglang imports it (before an attention
-backend binds the name), and torch_native's DCP path (``TorchNativeAttnBackend._forward_dcp``): after
-each layer's call, which has written the batch's K/V, every rank (over)writes ``layer{L}_slot{S}_tp{R}.pt`` for every request of the batch: the global positions in
+On PYTHONPATH of a CPU server with HELIX_KV_DUMP_DIR set, this wraps the Triton backend's
+``forward_decode`` / ``forward_extend`` (their DCP branches) when sglang imports the backend, and
+torch_native's DCP path (``TorchNativeAttnBackend._forward_dcp``): after each layer's call, which has
+written the batch's K/V, every rank (over)writes ``layer{L}_slot{S}_tp{R}.pt`` for every request of the batch: the global positions in
 ``[0, seq_len)`` it owns and their K/V rows read back from its pool (``[n, K/TPA, D]``), with its
 place in the KVP x TPA grid. Host syncs and file I/O on every layer: a test fixture, not a server
 feature. Every process without HELIX_KV_DUMP_DIR is untouched.
@@ -16,7 +16,6 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
     import sys
 
     DUMP_DIR = os.environ["HELIX_KV_DUMP_DIR"]
-    TARGET = "sglang.srt.layers.dcp.gqa_attention"
 
     def dump(layer, forward_batch, backend):
         import torch
@@ -47,15 +46,21 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
             torch.save(record, path + ".tmp")
             os.replace(path + ".tmp", path)
 
-    def patch(attention):
-        orig = attention.dcp_gqa_attention
+    def patch_triton(module):
+        """The Triton backend's forwards under DCP (their DCP branches store, then attend)."""
+        cls = module.TritonAttnBackend
 
-        def dcp_gqa_attention(layer, q, k, v, forward_batch, backend):
-            out = orig(layer, q, k, v, forward_batch, backend)
-            dump(layer, forward_batch, backend)
-            return out
+        def wrap(orig):
+            def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+                out = orig(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+                if self.dcp_size > 1 and not forward_batch.forward_mode.is_idle():
+                    dump(layer, forward_batch, self)
+                return out
 
-        attention.dcp_gqa_attention = dcp_gqa_attention
+            return forward
+
+        cls.forward_decode = wrap(cls.forward_decode)
+        cls.forward_extend = wrap(cls.forward_extend)
 
     def patch_torch_native(module):
         """torch_native's DCP path (every DCP layout, the GQA mode's too): the same dump after its
@@ -70,7 +75,10 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
 
         cls._forward_dcp = _forward_dcp
 
-    PATCHES = {TARGET: patch, "sglang.srt.layers.attention.torch_native_backend": patch_torch_native}
+    PATCHES = {
+        "sglang.srt.layers.attention.triton_backend": patch_triton,
+        "sglang.srt.layers.attention.torch_native_backend": patch_torch_native,
+    }
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):

@@ -8,15 +8,16 @@ keeps ``loc % P == p % P``; so a loc's owner and physical row are DCP's formulas
 loc: ``localize_dcp_indices(loc, KVP, kvp_rank, chunk)`` (-1 where another rank owns it), and a
 rank's local KV length is ``get_dcp_lens(seq_len, KVP, kvp_rank, interleave_size=chunk)``.
 
-What DCP's layout module does not have, and the GQA mode's prefill and torch path need: the inverse map
-(local index -> global position) and the host-sized local KV lists of the extend and of the torch
-path (the decode's lists come from upstream's Triton list kernel, ``gqa_decode.py``). Vectorized
-torch, no host syncs: sizes the host needs come from host-side lengths the scheduler already has.
+What DCP's layout module does not have, and torch_native's DCP path needs: the inverse map (local
+index -> global position) and this rank's local KV lists in torch (``local_kv_indices``: the rows of
+upstream's Triton list kernel, ``create_triton_kv_indices_for_dcp_triton``, which the Triton backend
+runs, with each row's position). Vectorized torch, no host syncs: sizes the host needs come from
+host-side lengths the scheduler already has.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -110,21 +111,3 @@ def local_kv_indices(
     loc = req_to_token[req_pool_indices.to(torch.int64)[batch], pos].to(torch.int64)
     rows = localize_dcp_indices(loc, kvp_size, kvp_rank, interleave_size=chunk)
     return kv_indptr, rows, pos
-
-
-def extend_segments(
-    prefix_lens: Sequence[int], extend_lens: Sequence[int], chunk: int
-) -> Tuple[List[int], List[int], List[int]]:
-    """Split each request's new tokens at ownership-chunk boundaries (one rank owns each segment):
-    host lists ``(request [S], start position [S], length [S])`` in token order, tiling the T tokens.
-    """
-    request, start, length = [], [], []
-    for b, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
-        pos, end = int(p), int(p) + int(e)
-        while pos < end:
-            stop = min(end, (pos // chunk + 1) * chunk)
-            request.append(b)
-            start.append(pos)
-            length.append(stop - pos)
-            pos = stop
-    return request, start, length
