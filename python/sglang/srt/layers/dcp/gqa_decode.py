@@ -6,8 +6,8 @@ fewer the larger it is. So a decode of ``T`` tokens launches a split extent of `
 (its split buffers are ``[T, H, S, Dv]``: eager per step, in a CUDA graph views of one buffer of
 ``split_rows(max_bs)`` rows sized for every captured batch), each token takes the splits its local
 length needs (``num_kv_splits_by_local_len``), and stage 2 merges them ``stage2_split_tile(S)`` at a
-time. Measured on one H200 (``benchmark/results/gpu-rank-step.md``): at 1M tokens, batch 1, 256
-splits are 1.6-2.7x faster than 64, and at batch 4, 128 beat 256 by 1.2-1.4x.
+time. Measured on one H200: at 1M tokens, batch 1, 256 splits are 1.6-2.7x faster than 64, and at
+batch 4, 128 beat 256 by 1.2-1.4x.
 """
 
 from __future__ import annotations

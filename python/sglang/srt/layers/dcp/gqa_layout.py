@@ -17,7 +17,7 @@ host-side lengths the scheduler already has.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
@@ -77,20 +77,14 @@ def local_kv_indices(
     kvp_rank: int,
     kvp_size: int,
     chunk: int,
-    kv_starts: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR list of the physical rows of the positions ``[kv_start, kv_len)`` this rank owns, from
-    ``req_to_token [R, max_context]``, ``req_pool_indices / kv_lens / kv_starts [B]`` and the host count
+    """CSR list of the physical rows of the positions ``[0, kv_len)`` this rank owns, from
+    ``req_to_token [R, max_context]``, ``req_pool_indices / kv_lens [B]`` and the host count
     ``total_local``: ``(kv_indptr [B+1] int32, kv_indices [total_local] int64, positions int64)``, the
     rows of ``create_triton_kv_indices_for_dcp_triton(..., interleave_size=chunk)``."""
     device = req_to_token.device
-    ends = kv_lens.to(torch.int64)
-    starts = None if kv_starts is None else kv_starts.to(torch.int64)
-    spans = ends if starts is None else ends - starts
     # [B]
-    local_lens = get_dcp_lens(
-        spans, kvp_size, kvp_rank, start=starts, interleave_size=chunk
-    )
+    local_lens = local_kv_lens(kv_lens.to(torch.int64), kvp_rank, kvp_size, chunk)
     kv_indptr = torch.zeros(kv_lens.shape[0] + 1, dtype=torch.int32, device=device)
     torch.cumsum(local_lens, dim=0, out=kv_indptr[1:])
     # [L] request of each listed token
@@ -102,11 +96,6 @@ def local_kv_indices(
     local_pos = (
         torch.arange(total_local, device=device) - kv_indptr[:-1].to(torch.int64)[batch]
     )
-    if starts is not None:
-        local_pos = (
-            local_pos
-            + get_dcp_lens(starts, kvp_size, kvp_rank, interleave_size=chunk)[batch]
-        )
     pos = global_position(local_pos, kvp_rank, kvp_size, chunk)  # [L]
     loc = req_to_token[req_pool_indices.to(torch.int64)[batch], pos].to(torch.int64)
     rows = localize_dcp_indices(loc, kvp_size, kvp_rank, interleave_size=chunk)
