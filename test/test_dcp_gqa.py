@@ -123,61 +123,6 @@ def test_fused_kv_write_is_off_under_dcp(dcp, monkeypatch):
     assert calls == [dcp > 1]
 
 
-def _xpu_backend(monkeypatch, dcp_rank: int, replicate_q: bool):
-    from sglang_helix.testing.cpu_env import STUB_DIR
-
-    monkeypatch.syspath_prepend(STUB_DIR)  # the backend imports sgl_kernel's XPU ops
-    from sglang.srt.layers.attention import xpu_backend
-
-    class Group:
-        world_size = 2
-
-        def all_gather(self, *args, **kwargs):
-            raise AssertionError("the DCP group's Q was gathered again")
-
-    backend = object.__new__(xpu_backend.XPUAttentionBackend)
-    backend.dcp_size, backend.dcp_rank, backend.dcp_group = 2, dcp_rank, Group()
-    backend.dcp_comm_backend, backend.dcp_replicate_q = "a2a", replicate_q
-    return xpu_backend, backend
-
-
-@pytest.mark.parametrize("dcp_rank", [0, 1])
-def test_xpu_replicated_q_is_not_gathered_again(dcp_rank, monkeypatch):
-    """``--dcp-replicate-q-proj`` on a GQA model: the layer already holds the DCP group's query
-    heads (``dcp_q_partition``); the XPU backend's DCP decode and extend attend with them as they
-    come and return exact attention for this rank's ``Q / tp`` heads (patch "[DCP] XPU: replicated
-    Q is not gathered again"; before it both gathered Q over the group a second time)."""
-    T, heads, kv_heads, dim = 3, 8, 2, 16  # the group's 8 query heads over 2 KV heads, DCP 2
-    xpu_backend, backend = _xpu_backend(monkeypatch, dcp_rank, replicate_q=True)
-    layer = SimpleNamespace(
-        tp_q_head_num=heads, tp_k_head_num=kv_heads, tp_v_head_num=kv_heads, head_dim=dim, v_head_dim=dim,
-        scaling=dim**-0.5, logit_cap=None,
-    )  # fmt: skip
-    own = slice(dcp_rank * heads // 2, (dcp_rank + 1) * heads // 2)
-    q, k, v = torch.randn(T, heads * dim), torch.randn(T, kv_heads, dim), torch.randn(T, kv_heads, dim)
-
-    # Decode: the partials of the group's heads go to the All-to-All, which returns this rank's.
-    seen = {}
-
-    def partial(q_all, layer, cu_seqlens_q, max_seqlen_q):
-        seen["heads"] = q_all.shape[1]
-        return q_all.clone(), torch.zeros(q_all.shape[:2])
-
-    monkeypatch.setattr(backend, "_dcp_partial_paged_attn", partial, raising=False)
-    monkeypatch.setattr(xpu_backend, "_dcp_a2a_merge", lambda out, lse, group, bufs: out[:, own])
-    backend.forward_metadata = SimpleNamespace(cu_seqlens_q=None)
-    out = backend._forward_decode_dcp(q, layer, None)
-    assert seen["heads"] == heads
-    assert torch.equal(out, q.view(T, heads, dim)[:, own].reshape(T, -1))  # [T, Q/tp * Dv]
-
-    # Extend of one token per request over no prefix: this rank's heads over every KV head.
-    backend.forward_metadata = SimpleNamespace(max_seq_len_q=1)
-    fb = SimpleNamespace(extend_prefix_lens_cpu=[0] * T)
-    out = backend._forward_extend_dcp(q, k, v, layer, fb, True, None)
-    expected = v.repeat_interleave(heads // kv_heads, dim=1)[:, own]  # softmax over one key: its value
-    assert torch.equal(out, expected.reshape(T, -1))
-
-
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                   "Qwen3MoeForCausalLM", "MixtralForCausalLM"])  # fmt: skip
 def test_kv_partition_models_declare_it(arch):

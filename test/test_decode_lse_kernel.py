@@ -276,8 +276,10 @@ def test_output_lse_checks_dtype_and_shape(patched):
 # --------------------------------------------------------------------------------------------
 # Head-split output (patch "[Kernel] Triton decode stage 2: optional head-split output layout")
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("group,head_dim,kvp", [(1, 16, 2), (4, 64, 4), (8, 128, 2)])
-def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, kvp):
+# (query heads per KV head, head dim, KVP, KV heads): every case has H / KVP >= 2, where head groups
+# laid out blocked (h // (H/KVP)) and interleaved (h % KVP) differ, on the MHA and grouped kernels
+@pytest.mark.parametrize("group,head_dim,kvp,kv_heads", [(1, 16, 2, 4), (4, 64, 4, 2), (8, 128, 2, 2)])
+def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, kvp, kv_heads):
     """Stage 2 given the All-to-All send buffer's views (a [KVP, B, H/KVP, D] output and a
     [KVP, B, H/KVP] LSE) writes exactly the bytes that packing its [B, H, D] output and [B, H]
     LSE writes (``dcp_pack_a2a_send_torch``, the same bytes as upstream's ``dcp_pack_a2a_send``)
@@ -288,8 +290,9 @@ def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, k
     from sglang.kernels.ops.attention.dcp_kernels import _lse_pack_dim, dcp_pack_a2a_send_torch
 
     lens = [0, 5, 130]
-    q, k, v, indptr, indices = make_inputs(lens, 2, group, head_dim, seed=31 + group)
+    q, k, v, indptr, indices = make_inputs(lens, kv_heads, group, head_dim, seed=31 + group)
     B, H = q.shape[:2]
+    assert H // kvp >= 2  # blocked and interleaved head groups differ
     args = (q, k, v, indptr, indices, [1, 2, 4], 4, 0.2)
     o, lse = run_kernel(patched, *args)
     lpd = _lse_pack_dim(q.dtype)

@@ -589,14 +589,33 @@ def test_replicated_q_without_an_exchange_is_the_gqa_mode_on_every_platform(mode
     assert (dcp.helix_kvp_size, dcp.dcp_comm_backend, dcp.dcp_replicate_q_proj) == (2, "a2a", True)
 
 
-@pytest.mark.parametrize("exchange", ["a2a", "fi_a2a"])
-def test_replicated_q_with_an_all_to_all_named_is_the_gqa_mode(model, exchange):
-    """``--dcp-comm-backend a2a`` or ``fi_a2a`` named with ``--dcp-replicate-q-proj`` on a GQA model:
-    the GQA mode too (its exchange is a2a), so the Triton backend has one replicated-Q path (the
-    mode's; the ``[DCP]`` replicated-Q branches the GQA-mode patch replaces are unreachable)."""
-    args = ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", exchange, "--dcp-replicate-q-proj"]
+def test_replicated_q_with_an_all_to_all_named_is_the_gqa_mode(model):
+    """``--dcp-comm-backend a2a`` named with ``--dcp-replicate-q-proj`` on a GQA model: the GQA
+    mode too, so the Triton backend has one replicated-Q path."""
+    args = ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj"]
     cfg = view(resolve(model(), args))
     assert (cfg.helix_kvp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (2, "a2a", True)
+
+
+SPELLINGS = {
+    "dcp": ["--dcp-size", "2", "--dcp-replicate-q-proj"],
+    "helix": ["--helix-kvp-size", "2", "--helix-kvp-chunk-size", "1"],
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_fi_a2a_named_is_kept_in_both_spellings_and_refused_off_cuda_as_upstream(model, monkeypatch, spelling):
+    """``--dcp-comm-backend fi_a2a`` named with either spelling of the mode is the mode with
+    FlashInfer's exchange; off CUDA upstream DCP's own check refuses it, with its message."""
+    from sglang.srt.arg_groups import parallel_hook
+
+    args = ["--tp", "4", *SPELLINGS[spelling], "--dcp-comm-backend", "fi_a2a"]
+    with pytest.raises(ValueError, match="--dcp-comm-backend fi_a2a delegates the exchange to FlashInfer"):
+        resolve(model(), args)
+    cuda = SimpleNamespace(is_cuda=True, is_hip=False, is_xpu=False, is_npu=False)
+    monkeypatch.setattr(parallel_hook, "get_platform", lambda: cuda)
+    cfg = view(resolve(model(), args))
+    assert (cfg.helix_kvp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (2, "fi_a2a", True)
 
 
 def test_replicated_q_with_another_exchange_stays_upstream(model):

@@ -62,9 +62,9 @@ class Record:
 
 def reference(q, seen, scaling):
     """float64 attention of ``q [T, H, D]``; ``seen[t]`` the (k, v) pairs query ``t`` sees."""
-    group = SHAPE.heads // SHAPE.kv_heads
     out = []
     for t, pairs in enumerate(seen):
+        group = q.shape[1] // pairs[0][0].shape[0]
         k = torch.stack([kv[0] for kv in pairs]).double().repeat_interleave(group, dim=1)  # [L, H, D]
         v = torch.stack([kv[1] for kv in pairs]).double().repeat_interleave(group, dim=1)
         s = torch.einsum("hd,lhd->hl", q[t].double(), k) * scaling
@@ -132,11 +132,11 @@ def run(ranks, record, batch, q, k, v, scaling, writes, seen, build=None, backen
         torch.testing.assert_close(out, ref[:, rank * h : (rank + 1) * h], atol=atol, rtol=0)
 
 
-def _tensors(g, T, kv_dtype=torch.float32):
+def _tensors(g, T, kv_dtype=torch.float32, shape=SHAPE):
     # q exactly representable in the KV dtype: Triton's extend casts q to it for the prefix
-    q = torch.randn(T, SHAPE.heads, SHAPE.head_dim, generator=g).to(kv_dtype).float()
-    k = torch.randn(T, SHAPE.kv_heads, SHAPE.head_dim, generator=g)
-    v = torch.randn(T, SHAPE.kv_heads, SHAPE.head_dim, generator=g)
+    q = torch.randn(T, shape.heads, shape.head_dim, generator=g).to(kv_dtype).float()
+    k = torch.randn(T, shape.kv_heads, shape.head_dim, generator=g)
+    v = torch.randn(T, shape.kv_heads, shape.head_dim, generator=g)
     return q, k, v
 
 
@@ -384,3 +384,37 @@ def test_tree_verify_metadata_is_built_for_the_batch_at_once(backend):
 
         ranks.run(fn)
     assert calls[6] == calls[2], calls
+
+
+@pytest.mark.parametrize("kvp", [2, 4])
+def test_gathered_q_dcp_extend_over_a_short_prefix_is_exact(kvp):
+    """Upstream DCP's own layout (Q sharded over tp, gathered over the group; K/V replicated in it),
+    on Triton: a prefill whose second chunk extends a 1-token prefix that all ranks but one own none
+    of. Every rank joins the group's collectives (a rank skipping them hung the others), and the
+    prefix call reads the pool's K/V heads, not this rank's slice (query heads past the first KV
+    head read KV head 0). Each rank returns exact attention for its query heads."""
+    shape = Shape(heads=2 * kvp, kv_heads=2, head_dim=16, kvp=kvp, chunk=1, slots=2, max_len=24)
+    ranks = Ranks(shape, "triton", replicated_q=False)
+    h = shape.heads // kvp  # this rank's query heads (Q/tp)
+    L = layer(shape)
+    L.tp_q_head_num = h
+    record, g = Record(torch.float32, None), torch.Generator().manual_seed(3)
+    for reqs in ([(0, 0, 1), (1, 0, 2)], [(0, 1, 6), (1, 2, 9)]):
+        batch = extend_batch(ranks, reqs)
+        writes = [(s, i) for s, p, n in reqs for i in range(p, n)]
+        q, k, v = _tensors(g, len(writes), shape=shape)
+        for t, (slot, tp) in enumerate(writes):
+            record.write(0, slot, tp, k[t], v[t])
+
+        def fn(rank):
+            backend = ranks.backends[rank]
+            backend.init_forward_metadata(batch)
+            q_rank = q[:, rank * h : (rank + 1) * h]  # this rank's Q shard
+            return self_attn(backend, L, q_rank.clone(), k.clone(), v.clone(), batch)
+
+        outs = ranks.run(fn)
+        seen = [[record.fed[0, s, j] for j in range(i + 1)] for s, p, n in reqs for i in range(p, n)]
+        ref = reference(q, seen, L.scaling)
+        for rank, out in enumerate(outs):
+            got = out.view(len(writes), h, shape.head_dim).double()
+            torch.testing.assert_close(got, ref[:, rank * h : (rank + 1) * h], atol=5e-6, rtol=0)

@@ -7,9 +7,10 @@ below: the overlay has no ``sglang.srt.layers.dcp.gqa_decode`` and its touched f
 RECORD). Everything else (torch, the sgl_kernel stub, the CPU engine environment) is shared.
 
 - ``--tp 1``: the wheel exactly as published.
-- ``--tp 4``: the wheel plus patch 0005 (no PyNccl for gloo groups) alone. Without it upstream cannot start ``--tp > 1`` on the
+- ``--tp 4``: the wheel plus the patch "[Distributed] Do not create a PyNccl communicator for gloo
+  groups" alone. Without it upstream cannot start ``--tp > 1`` on the
   CPU at all (a gloo group builds a PyNccl communicator: ``ValueError: Expected a cuda device``);
-  0005 only skips that communicator for gloo groups, which the CUDA path never builds.
+  the patch only skips that communicator for gloo groups, which the CUDA path never builds.
 
 Both sides run the same workload through the OpenAI API (batched and streamed completions, chat,
 a ~300-token prompt, single prompts). The greedy tokens and streamed texts must be equal, and
@@ -30,7 +31,7 @@ from sglang_helix.testing.openai_probe import LOGPROB_ATOL
 from sglang_helix.series import REPO, Series, _git_apply, pinned_wheel
 from sglang_helix.testing.cpu_env import STUB_DIR
 
-GLOO_PATCH = "0005-Distributed-Do-not-create-a-PyNccl"  # the one patch the CPU harness needs for --tp > 1 (see the module docstring)
+GLOO_PATCH = "Distributed-Do-not-create-a-PyNccl"  # the one patch the CPU harness needs for --tp > 1 (see the module docstring)
 
 
 def _unpack_wheel(dest) -> None:
@@ -49,7 +50,7 @@ def pristine_overlays(tmp_path_factory):
     _unpack_wheel(wheel_dir)
     gloo_dir = tmp_path_factory.mktemp("pristine-wheel-0001")
     _unpack_wheel(gloo_dir)
-    (patch,) = [p for p in Series(repo=REPO).patches if p.name.startswith(GLOO_PATCH)]
+    (patch,) = [p for p in Series(repo=REPO).patches if p.name[5:].startswith(GLOO_PATCH)]
     r = _git_apply(patch, gloo_dir)
     assert r.returncode == 0, r.stderr
     return {"wheel": str(wheel_dir), "wheel+0001": str(gloo_dir)}
@@ -75,6 +76,21 @@ def test_overlay_shadows_the_patched_install(pristine_overlays):
     import importlib.util
 
     assert importlib.util.find_spec("sglang.srt.layers.dcp.gqa_decode") is not None
+
+
+def test_ci_refuses_a_run_whose_sglang_is_not_the_installed_series(pristine_overlays, tmp_path):
+    """With ``HELIX_CI=1`` (``.ci/run``) a run whose sglang is not the installed series (here the
+    pristine wheel first on the path) fails at once instead of switching the Triton launch check
+    and the compile check off; without it such a run goes on, the checks off."""
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, **_overlay_env(pristine_overlays["wheel"]), "TRITON_INTERPRET": "1"}
+    env.pop("HELIX_TRITON_RECORD", None)
+    cmd = [sys.executable, "-m", "pytest", "-p", "sglang_helix.testing.triton_record", "-p", "no:cacheprovider",
+           "--rootdir", str(tmp_path), str(tmp_path / "test_nothing.py")]  # fmt: skip
+    refused = subprocess.run(cmd, cwd=tmp_path, env={**env, "HELIX_CI": "1"}, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "HELIX_CI=1: sglang is not the series installed" in refused.stderr + refused.stdout
+    env.pop("HELIX_CI", None)
+    assert subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode == 0
 
 
 # Not bit-equal: a prefill's float32 results depend on how the scheduler happened to batch the

@@ -14,7 +14,7 @@ What it takes on the CPU engine, and what still blocks:
 - torch_native: upstream 0.5.23 has no torch_native draft backend (the server stops at start
   with "EAGLE is not supported in decode attention backend torch_native",
   ``srt/speculative/draft_utils.py``), nor a torch_native target-verify path. The series' patch
-  "[CPU] torch_native: speculative draft decode and target verify" adds both
+  "[torch_native] Speculative draft decode and target verify" adds both
   (``test_standalone_torch_native_matches_plain_tp``, default tier: no interpreted kernels).
 - sglang 0.5.23 builds the verify tree mask as QLEN_ONLY on every CPU server, which only the
   intel_amx backend reads; triton reads FULL_MASK, so verify attended through a garbled mask and

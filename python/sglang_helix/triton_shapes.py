@@ -1,8 +1,8 @@
 """Unit-level Helix launches at real model shapes, for the Triton specialization record (issue 35).
 
 Drives the Triton backend's ``init_forward_metadata`` and ``forward_extend`` / ``forward_decode``
-(the K/V store, then their DCP branch) on the KVP ranks of one group (``testing.dcp_ranks``: the real
-backends, the real All-to-All between threads) -- a chunked prefill of two requests (an extend
+(the K/V store, then their DCP branch) on KVP rank 0 of a group (``testing.dcp_ranks``: the real
+backend; the others' All-to-All contributions copies of its own, as every rank launches the same) -- a chunked prefill of two requests (an extend
 without and one with a prefix), then decode steps at every batch that gives a different split
 extent -- with the GPU's split policy (an SM count, so the per-request split counts and the
 batch-dependent split extent are what an H100 server launches), at the per-rank head counts of:
@@ -113,8 +113,8 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
         heads=H, kv_heads=KVH, head_dim=D, kvp=kvp, chunk=CHUNK, slots=max(max(batches), 2),
         max_len=2 * CHUNK * kvp + 8, kv_dtype=kv_dtype, dtype=torch.bfloat16, max_kv_splits=MAX_KV_SPLITS,
     )  # fmt: skip
-    ranks = Ranks(shape, "triton")
-    for backend in ranks.backends:  # a GPU's split policy
+    ranks = Ranks(shape, "triton", solo_rank=0)  # one rank's launches: every rank's are the same
+    for backend in filter(None, ranks.backends):  # a GPU's split policy
         backend.device_core_count = CORE_COUNT
         backend.dcp_split_policy = gqa_decode.kv_split_policy(MAX_KV_SPLITS, CORE_COUNT, False, None)
     L = layer(shape, scales=scales)
@@ -152,7 +152,7 @@ def run_shape(name, H, KVH, D, kv_name, kvp, recorder=None, batches=None, extend
             backend.init_forward_metadata(fb)
             self_attn(backend, L, q, k.clone(), v.clone(), fb)
 
-        ranks.run(rank_step)
+        ranks.run(rank_step)  # rank 0
 
     ctx = CHUNK * kvp + 5  # every rank owns a chunk, rank 0 two
     for capability in EXTEND_CAPABILITIES if extend else ():

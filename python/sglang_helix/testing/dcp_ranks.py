@@ -5,7 +5,8 @@ pool, for unit tests of the attention path without a server.
 model runner builds (``TritonAttnBackend(model_runner)``; for speculation also the multi-step draft
 backend) from a model runner's fields, with its own ``MHATokenToKVPool`` and one request table shared
 by all ranks, paged as DCP's allocator pages it (``loc % page == pos % page``, page = chunk x KVP).
-``replicated_q=False``: upstream DCP's layout instead (Q gathered over the group, all-gather +
+``solo_rank=r``: only rank ``r`` runs, the others' contributions copies of its own (for recording
+kernel launches, not for results). ``replicated_q=False``: upstream DCP's layout instead (Q gathered over the group, all-gather +
 reduce). ``ranks.run(fn)`` runs ``fn(rank)`` on every rank, each in a thread with that rank's runtime context
 (``get_parallel()``: its DCP rank, its group), one thread at a time (the Triton interpreter is not
 thread-safe); the DCP group's collectives go between the threads (``Exchange``), so the backends'
@@ -53,16 +54,21 @@ class Shape:
 
 class Exchange:
     """The collectives of one DCP group between the threads of ``Ranks.run``; the caller holds
-    ``turn`` whenever it runs, and gives it up only while it waits for the others."""
+    ``turn`` whenever it runs, and gives it up only while it waits for the others. ``solo``: one
+    rank runs alone and every other rank's contribution is a copy of its own (shapes and launches
+    as in the group, values not: for recording kernel launches)."""
 
-    def __init__(self, size: int, on_turn: Callable[[int], None]):
-        self.size, self.on_turn = size, on_turn
+    def __init__(self, size: int, on_turn: Callable[[int], None], solo: bool = False):
+        self.size, self.on_turn, self.solo = size, on_turn, solo
         self.turn = threading.Lock()
         self.barrier = threading.Barrier(size)
         self.inputs: List[Optional[torch.Tensor]] = [None] * size
         self.calls = [0] * size  # all_to_all_single calls per rank
 
     def wait(self, rank: int) -> None:
+        if self.solo:
+            self.inputs = [self.inputs[rank]] * self.size
+            return
         self.turn.release()
         self.barrier.wait()
         self.turn.acquire()
@@ -87,6 +93,13 @@ class Exchange:
                 exchange.inputs[rank] = input
                 exchange.wait(rank)
                 out = torch.cat([x.clone() for x in exchange.inputs], dim=dim)
+                exchange.wait(rank)
+                return out
+
+            def all_reduce(self, input):
+                exchange.inputs[rank] = input
+                exchange.wait(rank)
+                out = torch.stack([x.clone() for x in exchange.inputs]).sum(dim=0)
                 exchange.wait(rank)
                 return out
 
@@ -167,6 +180,7 @@ class Ranks:
         spec: Optional[Spec] = None,
         num_layers: int = 1,
         replicated_q: bool = True,
+        solo_rank: Optional[int] = None,
     ):
         from sglang.srt import runtime_context
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -174,7 +188,8 @@ class Ranks:
         self.shape, self.backend_name, self.spec = shape, backend, spec
         self.req_to_token = paged_table(shape)
         self.bags = _bags(shape, spec)
-        self.exchange = Exchange(shape.kvp, self._install)
+        self.solo_rank = solo_rank  # run only this rank (Exchange's solo)
+        self.exchange = Exchange(shape.kvp, self._install, solo=solo_rank is not None)
         self.parallels = [
             SimpleNamespace(
                 attn_dcp_size=shape.kvp,
@@ -320,9 +335,8 @@ class Ranks:
             finally:
                 self.exchange.turn.release()
 
-        threads = [
-            threading.Thread(target=body, args=(r,)) for r in range(self.shape.kvp)
-        ]
+        ranks = range(self.shape.kvp) if self.solo_rank is None else [self.solo_rank]
+        threads = [threading.Thread(target=body, args=(r,)) for r in ranks]
         try:
             for t in threads:
                 t.start()

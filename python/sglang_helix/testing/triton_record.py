@@ -11,6 +11,9 @@
   tree (a per-prefix run of the series imports an earlier tree: its kernels take other arguments).
   A missing fixture fails the run too (the check cannot run without it);
   ``HELIX_TRITON_CHECK_FIXTURE=0`` turns the check off explicitly.
+- ``HELIX_CI=1`` (``.ci/run`` sets it): a run whose ``sglang`` is not this interpreter's installed
+  series (another Python, another environment) is refused at once instead of running with the
+  check, and ``test_triton_compile.py``'s full-series checks, switched off.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ def _enabled() -> bool:
 
 def pytest_configure(config):
     global _RECORDER
+    if os.environ.get("HELIX_CI") == "1" and not _installed_tree():
+        import pytest
+
+        raise pytest.UsageError(
+            f"HELIX_CI=1: sglang is not the series installed in this interpreter's environment "
+            f"({sys.prefix}), so the Triton launch check and the compile check cannot run. Run the "
+            "README's test command (.venv/bin/python -m pytest ...) after bash scripts/setup.sh."
+        )
     if _RECORDER is None and os.environ.get("TRITON_INTERPRET") == "1" and _enabled():
         _RECORDER = Recorder().install()
 
