@@ -5,9 +5,9 @@
     TRITON_INTERPRET=1 python benchmark/gpu_kernels.py --cpu-smoke   # the same code on the CPU, tiny
 
 Needs only torch, triton and the series' kernel sources: sglang's Triton decode kernel (with patch
-0002's merged-LSE output), upstream's DCP pack/combine kernels and split heuristic
-(``kernels/ops/attention/metadata.py``), ``srt/layers/dcp/layout.py`` and the Helix modules
-``kv_layout`` and ``decode_state``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
+the series' merged-LSE output), upstream's DCP pack/combine kernels and split heuristic
+(``kernels/ops/attention/metadata.py``), ``srt/layers/dcp/layout.py`` and the GQA mode's
+``gqa_layout`` and ``gqa_decode``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
 (see ../shared/notes/gpu-machine.md); that folder goes first on ``sys.path``. No server, no
 network. Without a GPU (and without ``--cpu-smoke``) it says so and exits 0.
 

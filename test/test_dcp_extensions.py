@@ -223,7 +223,10 @@ def test_torch_pack_and_combine_equal_the_kernels(dtype, monkeypatch):
     group = _Loopback(N)
     with_kernels = dcp_comm.dcp_a2a_lse_reduce(out, lse, group)
     assert dcp_kernels.dcp_a2a_kernels_run_on(torch.device("cpu"))  # interpreted here
-    monkeypatch.setattr(dcp_kernels, "_INTERPRETED", False)  # a CPU user: no TRITON_INTERPRET
+    # a CPU user (no TRITON_INTERPRET): the kernel as triton.jit compiles it, not interpreted
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(dcp_kernels, "_dcp_lse_combine_kernel", JITFunction(dcp_kernels._dcp_lse_combine_kernel.fn))
     assert not dcp_kernels.dcp_a2a_kernels_run_on(torch.device("cpu"))
     assert dcp_kernels.dcp_a2a_kernels_run_on(torch.device("meta"))  # any other device: the kernels
     called = []

@@ -238,23 +238,50 @@ def test_torch_attention_empty_shard_is_neutral():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
 
 
+def _owned_attention_f64(q, pool_k, pool_v, table_row, kv_end, rank, dcp, chunk, scale, visible):
+    """The test's own reference for one request on one DCP rank: the positions ``[0, kv_end)`` it
+    owns by DCP's rule (``(pos // chunk) % dcp == rank``), each key at its row in the rank's pool
+    (logical id ``loc``: ``(loc // (chunk * dcp)) * chunk + loc % chunk``), float64 attention of
+    ``q [T, H, D]`` over the keys ``visible(t, pos)`` shows, query head h on KV head
+    ``h // (H / Hk)``: ``(out [T, H, D], lse [T, H])``, an empty view giving (0, -inf)."""
+    page = chunk * dcp
+    owned = [p for p in range(kv_end) if (p // chunk) % dcp == rank]
+    rows = [(int(table_row[p]) // page) * chunk + int(table_row[p]) % chunk for p in owned]
+    T, H, D = q.shape
+    group = H // pool_k.shape[1]
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    for t in range(T):
+        keys = [(p, r) for p, r in zip(owned, rows) if visible(t, p)]
+        if not keys:
+            continue
+        idx = torch.tensor([r for _, r in keys])
+        for h in range(H):
+            k, v = pool_k[idx, h // group].double(), pool_v[idx, h // group].double()
+            s = (k @ q[t, h].double()) * scale
+            out[t, h] = torch.softmax(s, 0) @ v
+            lse[t, h] = torch.logsumexp(s, 0)
+    return out, lse
+
+
 @pytest.mark.parametrize("mode", ["decode", "decode-one", "decode-short", "chain", "tree"])
 @pytest.mark.parametrize("dcp_rank", [0, 1])
 @pytest.mark.parametrize("path", ["_attend_batch_cpu", "_attend_batch_scores"])
-def test_a_decode_or_verify_batch_attends_at_once_as_request_by_request(mode, dcp_rank, path, monkeypatch):
+def test_a_decode_or_verify_batch_is_exact_over_the_keys_this_rank_owns(mode, dcp_rank, path, monkeypatch):
     """``dcp_partial_attention`` of a decode or verify batch (one call over the lists padded to the
-    longest, ``_pad_lists``) equals ``partial_attention`` request by request over each request's
-    own list: ragged lengths, a request this rank owns no key of (rank 1: 3 tokens, all in rank
-    0's first chunk) and a batch it owns no key of, a chain verify's causal mask and a tree
-    verify's mask at the owned keys, and a lone request whose keys are one run of rows (read as a
+    longest, ``_pad_lists``) against the test's own float64 attention over the keys this rank owns
+    by DCP's rule, each read at the pool row the test computes from its logical id (never the
+    code's lists): ragged lengths, a request this rank owns no key of (rank 1: 3 tokens, all in
+    rank 0's first chunk) and a batch it owns no key of, a chain verify's causal view of its
+    drafts and a tree verify's mask, and a lone request whose keys are one run of rows (read as a
     view of the pool); both ways the batch attends (the CPU flash kernel; the fp32 scores, for
-    other devices)."""
+    other devices); a scale that is not ``head_dim ** -0.5``."""
     from sglang.srt.layers.dcp import torch_attention as ta
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     monkeypatch.setattr(ta, "_attend_batch_cpu", getattr(ta, path))
 
-    dcp, chunk, Q, H, Hk, D = 2, 4, 3, 8, 2, 16
+    dcp, chunk, Q, H, Hk, D, scale = 2, 4, 3, 8, 2, 16, 0.31
     page = dcp * chunk
     verify = mode in ("chain", "tree")
     kv_ends = {"decode": [3, 13, 22], "decode-one": [21], "decode-short": [2, 3], "chain": [3, 13, 22], "tree": [4, 13, 22]}[mode]
@@ -283,29 +310,30 @@ def test_a_decode_or_verify_batch_attends_at_once_as_request_by_request(mode, dc
     assert meta.padded_rows is not None
     if mode == "decode-one":  # its keys are one run of rows: the batch reads a view of the pool
         assert meta.kv_run_starts[0] is not None
-    rows = meta.kv_indices
     pool_k = torch.randn(256, Hk, D, generator=g)
     pool_v = torch.randn(256, Hk, D, generator=g)
     pool = SimpleNamespace(get_key_buffer=lambda i: pool_k, get_value_buffer=lambda i: pool_v, dtype=torch.float32)
-    layer = SimpleNamespace(layer_id=0, scaling=D**-0.5, v_head_dim=D, k_scale=None, v_scale=None)
+    layer = SimpleNamespace(layer_id=0, scaling=scale, v_head_dim=D, k_scale=None, v_scale=None)
     q = torch.randn(len(positions), H, D, generator=g)
     out, lse = ta.dcp_partial_attention(layer, q, batch, meta, pool)
 
-    host, start, empty = meta.kv_indptr_host, 0, 0
+    start, empty = 0, 0
     for b, ps in enumerate(new_pos):
         tok = slice(start, start + len(ps))
         start += len(ps)
-        lo, hi = host[b], host[b + 1]
-        empty += hi == lo
-        key_pos = meta.kv_positions[lo:hi]
-        visible = mask_rows[b][:, key_pos] if mode == "tree" else None
-        query_pos = positions[tok] if mode == "chain" else None
-        want_out, want_lse = ta.partial_attention(
-            q[tok], pool_k[rows[lo:hi]], pool_v[rows[lo:hi]], layer.scaling, query_pos, key_pos, visible
+        if mode == "tree":  # the prefix, then the drafts the tree shows
+            visible = lambda t, p, b=b: bool(mask_rows[b][t, p])
+        else:  # decode: every key up to its own; chain: causal over its drafts
+            visible = lambda t, p, ps=ps: p <= ps[t]
+        want_out, want_lse = _owned_attention_f64(
+            q[tok], pool_k, pool_v, table[b], kv_ends[b], dcp_rank, dcp, chunk, scale, visible
         )
-        assert torch.allclose(out[tok], want_out, atol=1e-6), (mode, b)
-        assert torch.equal(torch.isinf(lse[tok]), torch.isinf(want_lse)), (mode, b)
-        assert torch.allclose(lse[tok][~torch.isinf(want_lse)], want_lse[~torch.isinf(want_lse)], atol=1e-5)
+        got_lse = lse[tok].double()
+        torch.testing.assert_close(out[tok].double(), want_out, atol=2e-6, rtol=0, msg=f"{mode} request {b}")
+        assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse)), (mode, b)
+        finite = ~torch.isinf(want_lse)
+        torch.testing.assert_close(got_lse[finite], want_lse[finite], atol=2e-5, rtol=0)
+        empty += bool(torch.isinf(want_lse).all())
     assert empty == (sum(e <= chunk for e in kv_ends) if dcp_rank == 1 else 0)  # decode-short: every one
 
 

@@ -286,7 +286,7 @@ def test_head_split_output_is_the_packed_send_buffer(patched, group, head_dim, k
     into ``dcp_a2a_lse_reduce_packed``'s send buffer: bit for bit, an empty shard included.
 
     Upstream modules only (the per-prefix check runs this at the patch, before any Helix module);
-    where Helix's ``decode_state`` is installed, its buffer shape and views are these."""
+    the GQA mode's decode hands stage 2 exactly these views (``dcp_a2a_send_buffer``)."""
     from sglang.kernels.ops.attention.dcp_kernels import _lse_pack_dim, dcp_pack_a2a_send_torch
 
     lens = [0, 5, 130]

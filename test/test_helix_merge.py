@@ -423,7 +423,10 @@ def _worker(rank, world, init_file, path):
     torch.set_num_threads(1)
     path = path if path != "mixed" else ("triton" if rank % 2 == 0 else "torch")  # both in each group
     if path == "torch":
-        dcp_kernels._INTERPRETED = False  # this child only: a CPU without TRITON_INTERPRET
+        # this child only: a CPU without TRITON_INTERPRET (the kernel as triton.jit compiles it)
+        from triton.runtime.jit import JITFunction
+
+        dcp_kernels._dcp_lse_combine_kernel = JITFunction(dcp_kernels._dcp_lse_combine_kernel.fn)
     assert dcp_kernels.dcp_a2a_kernels_run_on(torch.device("cpu")) == (path == "triton")
     # Which combine the reduce runs on this rank.
     combines = []

@@ -171,30 +171,25 @@ def test_write_rows_match_reference(kvp, chunk):
 
 @pytest.mark.parametrize("kvp,chunk", [(1, 4), (2, 1), (3, 2), (4, 3), (8, 16)])
 def test_local_kv_indices_positions(kvp, chunk):
-    """``local_kv_indices``' third value: the global position of each listed row (what
-    ``owned_positions`` used to give), here against the brute-force owned positions."""
+    """``local_kv_indices``' rows and the global position of each (torch_native's lists), against
+    the brute-force owned positions of ``[0, len)`` and their rows."""
     lens = torch.tensor([0, 1, chunk + 1, 2 * kvp * chunk + 3, 57])
-    starts = torch.tensor([0, 0, 1, kvp * chunk - 1, 20])
     max_len = int(lens.max())
     req_to_token = torch.stack(
         [_allocator_locs(torch.arange(max_len), kvp, chunk, seed=s) for s in range(len(lens))]
     ).to(torch.int32)
     slots = torch.tensor([3, 1, 4, 0, 2])
     req_to_token = req_to_token[torch.argsort(slots)]  # slot s holds request slots.tolist().index(s)
-    for kv_starts in (None, starts):
-        for rank in range(kvp):
-            lo = torch.zeros_like(lens) if kv_starts is None else kv_starts
-            total = kv_layout.total_local_len(lens - lo, rank, kvp, chunk, lo)
-            indptr, rows, pos = kv_layout.local_kv_indices(
-                req_to_token, slots, lens, total, rank, kvp, chunk, kv_starts=kv_starts
-            )
-            want_pos, want_rows = [], []
-            for b in range(len(lens)):
-                owned = ref_owned(int(lens[b]), rank, kvp, chunk, start=int(lo[b]))
-                assert int(indptr[b + 1] - indptr[b]) == len(owned)
-                want_pos += owned
-                want_rows += [ref_local(int(req_to_token[slots[b], p]), kvp, chunk) for p in owned]
-            assert pos.tolist() == want_pos and rows.tolist() == want_rows, (rank, kv_starts)
+    for rank in range(kvp):
+        total = kv_layout.total_local_len(lens, rank, kvp, chunk)
+        indptr, rows, pos = kv_layout.local_kv_indices(req_to_token, slots, lens, total, rank, kvp, chunk)
+        want_pos, want_rows = [], []
+        for b in range(len(lens)):
+            owned = ref_owned(int(lens[b]), rank, kvp, chunk)
+            assert int(indptr[b + 1] - indptr[b]) == len(owned)
+            want_pos += owned
+            want_rows += [ref_local(int(req_to_token[slots[b], p]), kvp, chunk) for p in owned]
+        assert pos.tolist() == want_pos and rows.tolist() == want_rows, rank
 
 
 def test_interleave_below_one_is_refused():

@@ -21,7 +21,7 @@ import os
 import sys
 
 # No kernel runs here, but the modules imported below import Triton kernels: interpreted, as every
-# in-process kernel test of this suite needs them (test_helix_fp8_kv.py), whichever runs first.
+# in-process kernel test of this suite needs them (test_helix_attention.py), whichever runs first.
 os.environ["TRITON_INTERPRET"] = "1"
 
 from types import SimpleNamespace  # noqa: E402

@@ -5,7 +5,7 @@ issue 33) on torch_native and triton (``docs/helix-flags.md``, "Speculative deco
 ``test_helix_args.py``'s). What runs where:
 
 - the target verify is an extend of the ``k + 1`` draft tokens over the sequence-sharded prefix
-  (``kv_ends_of`` / ``query_lens_of`` in ``layers/dcp/gqa_attention.py``): each rank attends every
+  (Triton: the backend's DCP verify lists; torch_native: ``kv_ends_of`` in ``layers/dcp/torch_attention.py``): each rank attends every
   draft token to the keys it owns, the draft tokens' own K/V written by their owners, and the
   All-to-All + LSE merge makes it exact;
 - the draft model's attention is Helix attention too (a Llama-family draft, or the
@@ -30,7 +30,7 @@ chain: at least the documented floor of the target as its own draft, ``STANDALON
 (the draft under Helix proposes the same tokens); a sampled request runs; an aborted and a disconnected stream; then upstream's KV checks on every
 rank (``kv_checks.DEBUG_ENV``): none fired, and every rank's free count after the run equals its
 count at startup. Full tier: KVP 4, triton (STANDALONE and EAGLE, interpreted kernels;
-``test_helix_spec_attention.py`` checks the same forwards on both backends in the default tier,
+``test_helix_attention.py`` checks the same forwards on both backends in the default tier,
 without a server), and the scripted retraction/abort scenario of ``test_helix_kv_leak.py`` with
 speculation on.
 """
@@ -161,7 +161,7 @@ def test_helix_standalone_serves_plain_tp_tokens(model_dir, server_log_dir, shap
 
 @pytest.mark.e2e
 # (KVP 2: FULL since 2026-11-28, for CI time; the default run's Helix speculation server is the
-# STANDALONE tree above, and test_helix_spec_attention.py runs EAGLE's draft steps without a server)
+# STANDALONE tree above, and test_helix_attention.py runs EAGLE's draft steps without a server)
 @pytest.mark.parametrize("kvp", [pytest.param(2, marks=FULL), pytest.param(4, marks=FULL)])
 def test_helix_eagle_with_an_accepting_head_matches_plain_tp_eagle(model_dir, server_log_dir, eagle_draft, kvp):
     """EAGLE proven: a head fitted to the target (conftest ``eagle_draft``) proposes what the target

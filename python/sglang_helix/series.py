@@ -523,7 +523,7 @@ PREFIX_TESTS = {
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
     "[DCP] EAGLE: the Llama draft head opts in as a draft": [
-        "test/test_helix_args.py", "test/test_helix_spec_attention.py", "-m", "not e2e", "-k",
+        "test/test_helix_args.py", "test/test_helix_attention.py", "-m", "not e2e", "-k",
         "speculative or speculation_keeps",
     ],
     "[CPU] Disaggregation: prefill/decode disaggregation on the CPU engine": [
