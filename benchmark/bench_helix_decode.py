@@ -351,6 +351,11 @@ def bench_cpu(args) -> list[Row]:
         )  # fmt: skip
         model = write_tiny_model(os.path.join(args.work_dir, f"model-k{k}"), spec)
         flags = ["--tp", str(args.tp)] + layout
+        if args.fp8:  # the same model's weights in FP8 (the CPU FP8 linear: W8A16, bf16 activations)
+            from sglang_helix.testing.fp8_checkpoints import write_fp8_checkpoint
+
+            model = write_fp8_checkpoint(model, os.path.join(args.work_dir, f"model-k{k}-{args.fp8}"), args.fp8)
+            flags += ["--dtype", "bfloat16"]
         flags += ["--context-length", str(max_context), "--max-total-tokens", str(max(args.max_total_tokens, need))]
         flags += ["--disable-radix-cache"]  # decode timing: no prefix reuse in either layout
         # One prefill chunk per prompt: upstream's torch_native extend re-attends the whole
@@ -593,6 +598,7 @@ def main() -> int:
         help="speculation per layout, any of none, chain-S, tree-SxK (STANDALONE, top-k K), ngram-N (NGRAM, "
         "N draft tokens); e.g. none,chain-3,tree-3x2,ngram-6 (with --spec-steps: added to its chains)",
     )  # fmt: skip
+    cpu.add_argument("--fp8", choices=["fp8-tensor", "fp8-block", "ct-channel"], help="serve each model quantized to this FP8 format, in bfloat16 (KV in bfloat16: pass --dtype-bytes 2)")
     cpu.add_argument("--max-total-tokens", type=int, default=65536, help="at least; raised to fit the largest batch")
     cpu.add_argument("--profile", help="py-spy every scheduler rank over --profile-tokens extra decode steps of each request; files and a per-rank summary here")
     cpu.add_argument("--profile-tokens", type=int, default=24)

@@ -121,6 +121,21 @@ def run_workload(model_path: str, args: list, backend: str, log_dir: str, worklo
     return _RESULTS[key]
 
 
+@pytest.fixture(scope="session")
+def fp8_root(tmp_path_factory):
+    """Where the FP8 checkpoints are written (``fp8_checkpoints``), shared by the FP8 modules."""
+    return str(tmp_path_factory.mktemp("fp8-checkpoints"))
+
+
+def fp8_workload(base_url):
+    """The probe (greedy tokens, logprobs, top-2) and every rank's weight checksums: an FP8
+    server's results, shared by test_fp8_cpu.py and test_helix_fp8.py (the same plain TP server)."""
+    from sglang_helix.testing.openai_probe import probe
+    from sglang_helix.testing.weights import weight_checksums
+
+    return {"probe": probe(base_url), "checksums": weight_checksums(base_url)}
+
+
 def plain_tp_reference(base_url):
     """What every layout is compared with: the probe, the long prompt, one answer per wave prompt;
     and every rank's weight checksums (test_helix_weights.py reads the plain ``--tp 4`` server's,

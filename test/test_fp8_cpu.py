@@ -41,10 +41,10 @@ import sys
 import pytest
 import torch
 
-from conftest import FULL, run_workload
+from conftest import FULL, fp8_workload, run_workload
 from sglang_helix.testing import fp8_checkpoints
 from sglang_helix.testing.cpu_env import STUB_DIR
-from sglang_helix.testing.openai_probe import assert_same_probe, probe
+from sglang_helix.testing.openai_probe import assert_same_probe
 
 if STUB_DIR not in sys.path:
     sys.path.insert(0, STUB_DIR)
@@ -367,18 +367,9 @@ def _params(cases):
             for i, c in enumerate(cases)]  # fmt: skip
 
 
-def _probe(base_url):
-    return probe(base_url)
-
-
-@pytest.fixture(scope="session")
-def fp8_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("fp8-checkpoints"))
-
-
 def _serve_and_compare(fp8_path, fp8_args, ref_path, ref_args, log_dir, what):
-    ref = run_workload(ref_path, ref_args, "torch_native", log_dir, _probe)
-    got = run_workload(fp8_path, fp8_args, "torch_native", log_dir, _probe)
+    ref = run_workload(ref_path, ref_args, "torch_native", log_dir, fp8_workload)["probe"]
+    got = run_workload(fp8_path, fp8_args, "torch_native", log_dir, fp8_workload)["probe"]
     assert_same_probe(ref, got, atol=SAME_WEIGHTS_ATOL, what=what, margin=0.0)
     # (the tiny models are decisive: a misapplied scale changes tokens, not just logprobs)
     assert len({tuple(c.tokens) for c in got.completions}) == len(got.completions)

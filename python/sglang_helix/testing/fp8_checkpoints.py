@@ -270,7 +270,7 @@ def _online_fp8(w):
     return q.float() * scale.reciprocal()
 
 
-def write_online_fp8_reference(src: str, out: str, tp: int, dtype: str = "bfloat16") -> str:
+def write_online_fp8_reference(src: str, out: str, tp: int, dtype: str = "bfloat16", qkv_tp: int | None = None) -> str:
     """The weights a ``--quantization fp8 --tp {tp} --dtype {dtype}`` server on a CPU without AMX
     multiplies with, as an unquantized checkpoint: every linear is cast to ``dtype`` (the
     loader's cast), cut into the ``tp`` shards the server's ranks hold (fused ``qkv_proj`` and
@@ -278,24 +278,26 @@ def write_online_fp8_reference(src: str, out: str, tp: int, dtype: str = "bfloat
     ``w2`` by input columns), each shard quantized with one scale (``_online_fp8``) and put back.
     Llama/Qwen families and Qwen3-MoE/Mixtral experts. ``tp`` must divide the KV heads: where
     ranks replicate a KV head, each quantizes its copy with its own shard's scale, and no single
-    checkpoint holds those differing copies."""
+    checkpoint holds those differing copies. ``qkv_tp``: the width ``qkv_proj`` is sharded over
+    when it is not ``tp`` (Helix: TPA = tp / KVP, each TPA shard quantized whole)."""
     import torch
 
-    want = {"online_fp8_of": os.path.abspath(src), "tp": tp, "dtype": dtype}
+    qkv_tp = qkv_tp or tp
+    want = {"online_fp8_of": os.path.abspath(src), "tp": tp, "dtype": dtype, "qkv_tp": qkv_tp}
     if not _fresh(out, want):
         return out
     config = _copy_side_files(src, out)
     state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in _load_state(src).items()}
     q_heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // q_heads
-    if q_heads % tp or kv_heads % tp:
-        raise ValueError(f"--tp {tp} must divide the {q_heads} query and {kv_heads} KV heads")
+    if q_heads % qkv_tp or kv_heads % qkv_tp:
+        raise ValueError(f"{qkv_tp} qkv shards must divide the {q_heads} query and {kv_heads} KV heads")
 
-    def rows(n, r):  # rank r's rows of an output dimension n split evenly
-        return slice(r * n // tp, (r + 1) * n // tp)
+    def rows(n, r, parts=tp):  # rank r's rows of an output dimension n split evenly
+        return slice(r * n // parts, (r + 1) * n // parts)
 
-    def fused(names, shards_of):  # one quantized tensor per rank over the fused shards
-        for r in range(tp):
+    def fused(names, shards_of, parts=tp):  # one quantized tensor per rank over the fused shards
+        for r in range(parts):
             parts = [state[n][shards_of(n, r)] for n in names]
             deq = _online_fp8(torch.cat(parts)).split([p.shape[0] for p in parts])
             for n, d in zip(names, deq):
@@ -311,7 +313,7 @@ def write_online_fp8_reference(src: str, out: str, tp: int, dtype: str = "bfloat
     for i in layers:
         p = f"model.layers.{i}."
         attn = [p + f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj")]
-        fused(attn, lambda n, r: rows(state[n].shape[0], r))
+        fused(attn, lambda n, r: rows(state[n].shape[0], r, qkv_tp), qkv_tp)
         by_columns(p + "self_attn.o_proj.weight")
         experts = sorted({k.split(".experts.")[1].split(".")[0] for k in state if k.startswith(p) and ".experts." in k}, key=int)
         if not experts:

@@ -51,8 +51,11 @@ UNSUPPORTED = {
     "weight offloading yet": "cpu_offload_gb=0 offload_group_size=-1",
     "embedding models yet": "is_embedding",
     "expert parallelism yet": "ep_size=1 moe_a2a_backend:none enable_eplb elastic_ep_backend moe_dense_tp_size",
-    "quantized weights yet": "quantization modelopt_quant",
+    "ModelOpt quantization yet": "modelopt_quant",
 }
+# Weight formats the mode serves: FP8, whose scales linear.py loads with the qkv rows of the TPA
+# shard (per tensor, per channel, 128-blocks), so every KVP rank of a TPA shard holds the same.
+FP8_METHODS = ("fp8", "compressed-tensors")
 # With an algorithm set: what the mode's draft/verify path does not run with.
 SPEC_UNSUPPORTED = {
     "adaptive speculation yet": "speculative_adaptive speculative_adaptive_config",
@@ -190,9 +193,39 @@ def _check_model(server_args: Any, cfg: Any) -> None:
             problem = f"--helix-kvp-size {kvp} needs power-of-two attention head dims {why}, but {model} has {field} {dim}"
             fail(problem)
     if mc.quantization:
-        quantized = [f"{model} is {mc.quantization}-quantized"]
-        fix = "Serve an unquantized checkpoint"
-        unsupported(cfg, "quantized weights yet", quantized, fix)
+        _check_quantization(cfg, mc, model)
+
+
+def _check_quantization(cfg: Any, mc: Any, model: str) -> None:
+    """FP8 only; a block-wise checkpoint's qkv rows per TPA rank in whole blocks."""
+    method, hf = mc.quantization, mc._parse_quant_hf_config() or {}
+    given = f"{model} is {method}-quantized"
+    given = f"--quantization {method}" if cfg.quantization else given
+    weights = [g.get("weights") or {} for g in (hf.get("config_groups") or {}).values()]
+    kinds = {f"{w.get('num_bits')}-bit {w.get('type')}" for w in weights}
+    if method not in FP8_METHODS or kinds - {"8-bit float"}:
+        what = f"{method} ({join(sorted(kinds))})" if kinds else method
+        fix = "Serve a bf16 or FP8 checkpoint (fp8, compressed-tensors FP8)"
+        unsupported(cfg, f"{what} weights yet", [given], fix)
+    blocks = [hf.get("weight_block_size")] + [w.get("block_structure") for w in weights]
+    block = next((b[0] for b in blocks if b), 0)
+    n, kvp, heads = cfg.tp_size, cfg.helix_kvp_size, mc.num_attention_heads
+    heads = (heads, mc.get_total_num_kv_heads())
+
+    def rows(
+        v: int,
+    ) -> list:  # q and k/v rows of a TPA rank's qkv_proj at --helix-kvp-size v
+        return sorted({h // (n // v) * mc.head_dim for h in heads})
+
+    def whole(v: int) -> bool:
+        return n // v <= heads[1] and all(r % block == 0 for r in rows(v))
+
+    if block and not whole(kvp):
+        tpa = f"TPA = --tp {n} / --helix-kvp-size {kvp} = {n // kvp}"
+        problem = f"--helix-kvp-size {kvp}: {given} in {block}-row blocks, but at {tpa} a qkv_proj shard has {join(rows(kvp))} rows per head group (not whole blocks)"
+        good = [v for v in range(2, n + 1) if n % v == 0 and whole(v)]
+        fix = "Serve a per-channel or per-tensor FP8 checkpoint"
+        fail(problem, f"Use --helix-kvp-size {join(good)}" if good else fix)
 
 
 def _check_heads(cfg: Any, q: int, k: int, model: str) -> None:
