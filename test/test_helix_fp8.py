@@ -48,16 +48,16 @@ from sglang_helix.testing import fp8_checkpoints
 
 QKV = "self_attn.qkv_proj."
 
-# id: (architecture, format, --tp, --helix-kvp-size, extra args of both servers); the first is the
+# id: (architecture, format, --tp, --helix-kvp-size); the first is the
 # default tier's: K < N (TPA 2 over K = 2: two TPA shards, each on two KVP ranks), where a scale
 # loaded by the TP rank instead of the TPA rank lands on the wrong rank.
 CASES = [
-    ("qwen3", "ct-channel", 4, 2, ()),
-    ("qwen3", "ct-channel", 2, 2, ()),  # K = N: TPA 1, every rank the whole qkv
-    ("llama", "fp8-tensor", 2, 2, ()),
-    ("qwen3", "fp8-block", 2, 2, ()),
-    ("qwen3_moe", "fp8-block", 2, 2, ()),
-    ("mixtral", "fp8-tensor", 2, 2, ()),
+    ("qwen3", "ct-channel", 4, 2),
+    ("qwen3", "ct-channel", 2, 2),  # K = N: TPA 1, every rank the whole qkv
+    ("llama", "fp8-tensor", 2, 2),
+    ("qwen3", "fp8-block", 2, 2),
+    ("qwen3_moe", "fp8-block", 2, 2),
+    ("mixtral", "fp8-tensor", 2, 2),
 ]
 # (Not an FP8 KV cache with them: the CPU engine refuses one without AMX, plain TP included: "CPU FP8
 # KV cache requires Intel AMX support". The mode's fp8 pools: test_helix_attention.py.)
@@ -127,8 +127,8 @@ def assert_qkv_shards(model_path: str, fmt: str, checksums: dict, tp: int, kvp: 
 
 def _params(cases):
     def ident(c):
-        arch, fmt, tp, kvp, extra = c
-        return f"{arch}-{fmt}-tp{tp}-kvp{kvp}" + ("-kv-fp8" if extra else "")
+        arch, fmt, tp, kvp = c
+        return f"{arch}-{fmt}-tp{tp}-kvp{kvp}"
 
     return [pytest.param(c, id=ident(c), marks=() if i == 0 else FULL) for i, c in enumerate(cases)]
 
@@ -151,13 +151,13 @@ def assert_close_bf16(ref, got, what: str) -> int:
 def test_fp8_checkpoint_under_helix_serves_plain_tps_tokens(case, fp8_root, server_log_dir):
     """``--tp N --helix-kvp-size KVP`` on an FP8 checkpoint: each rank holds its heads' FP8 qkv
     rows and scales, and the server gives plain ``--tp N``'s tokens on the same checkpoint."""
-    arch, fmt, tp, kvp, extra = case
+    arch, fmt, tp, kvp = case
     backend = "torch_native"  # (not Triton: see CASES)
     fp8_path, _ = fp8_checkpoints.write_tiny_fp8(fp8_root, fmt, arch=arch)
-    args = ["--tp", str(tp), "--dtype", "bfloat16", *extra]
+    args = ["--tp", str(tp), "--dtype", "bfloat16"]
     ref = run_workload(fp8_path, args, backend, server_log_dir, fp8_workload)
     got = run_workload(fp8_path, [*args, "--helix-kvp-size", str(kvp)], backend, server_log_dir, fp8_workload)
-    what = f"{arch} {fmt} --tp {tp} --helix-kvp-size {kvp} {' '.join(extra)}"
+    what = f"{arch} {fmt} --tp {tp} --helix-kvp-size {kvp}"
     assert assert_qkv_shards(fp8_path, fmt, got["checksums"], tp, kvp, what) > 0
     if tp <= fp8_checkpoints.tiny_fp8_spec(arch).num_kv_heads:  # (beyond, the CPU engine pads plain TP's heads)
         assert assert_qkv_shards(fp8_path, fmt, ref["checksums"], tp, 1, f"plain --tp {tp}") > 0
