@@ -87,6 +87,12 @@ def view(server_args):
     return resolving_view(server_args)
 
 
+def gqa_mode(cfg) -> bool:
+    from sglang.srt.arg_groups.helix_hook import dcp_gqa_mode
+
+    return dcp_gqa_mode(cfg)
+
+
 @contextmanager
 def helix_log():
     """Records of the Helix hook's logger (``prepare_server_args`` resets the root handlers,
@@ -98,7 +104,7 @@ def helix_log():
             records.append(record)
 
     handler = Collect(level=logging.INFO)
-    loggers = [logging.getLogger("sglang.srt.arg_groups.helix_hook")]
+    loggers = [logging.getLogger(f"sglang.srt.arg_groups.{m}") for m in ("helix_hook", "parallel_hook")]
     for logger in loggers:
         logger.addHandler(handler)
     try:
@@ -121,7 +127,7 @@ def test_kvp_size_below_one(model):
 def test_interleave_size_below_one(model):
     assert helix_error(model(), ["--tp", "4", "--dcp-interleave-size", "0"]) == (
         "--dcp-interleave-size must be >= 1, got --dcp-interleave-size 0. Use a positive "
-        "--dcp-interleave-size, or use --helix-kvp-size 1."
+        "--dcp-interleave-size."
     )
 
 
@@ -519,7 +525,7 @@ def test_flags_resolve_into_dcp_and_default_backend(model):
 
 
 RESOLVED_FIELDS = (
-    "helix_kvp_size", "helix_kvp_chunk_size", "dcp_size", "dcp_comm_backend", "dcp_replicate_q_proj",
+    "dcp_size", "dcp_comm_backend", "dcp_replicate_q_proj",
     "dcp_interleave_size", "page_size", "attention_backend", "chunked_prefill_size", "max_prefill_tokens",
     "disable_cuda_graph", "tp_size",
 )  # fmt: skip
@@ -535,23 +541,29 @@ def test_both_spellings_resolve_the_same(model, chunk):
         "--dcp-interleave-size", chunk,
     ]))  # fmt: skip
     assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {f: getattr(helix, f) for f in RESOLVED_FIELDS}
-    assert helix.helix_kvp_size == dcp.helix_kvp_size == 2
+    assert gqa_mode(helix) and gqa_mode(dcp) and helix.dcp_size == 2
 
 
-def test_dcp_spelling_refusals_name_the_helix_layout(model):
+def test_dcp_spelling_refusals_name_the_dcp_flags(model):
+    """A refusal names the mode as it was launched: DCP's flags, or Helix's."""
     message = helix_error(model(), [
         "--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj", "--pp-size", "2",
     ])  # fmt: skip
-    assert message == (  # the log said "... on a GQA model is Helix parallelism (--helix-kvp-size 2 ...)"
-        "--helix-kvp-size 2 does not support pipeline parallelism yet (--pp-size 2). "
-        "Set --pp-size 1, or use --helix-kvp-size 1."
+    assert message == (
+        "--dcp-size 2 --dcp-replicate-q-proj does not support pipeline parallelism yet (--pp-size 2). "
+        "Set --pp-size 1, or drop --dcp-replicate-q-proj."
+    )
+    message = helix_error(model(), ["--tp", "4", "--dcp-size", "3", "--dcp-replicate-q-proj"])
+    assert message == (
+        "--dcp-size 3 does not divide --tp 4: Helix arranges the --tp ranks as a KVP x TPA grid. "
+        "Use --dcp-size 2 or 4, or drop --dcp-replicate-q-proj."
     )
 
 
 def test_interleave_needs_the_gqa_mode(model):
     assert helix_error(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-interleave-size", "4"]) == (
         "--dcp-interleave-size 4 needs DCP's GQA mode (--dcp-size > 1 --dcp-replicate-q-proj on a GQA "
-        "model, i.e. --helix-kvp-size). Drop --dcp-interleave-size."
+        "model). Drop --dcp-interleave-size."
     )
 
 
@@ -589,7 +601,7 @@ def test_replicated_q_without_an_exchange_is_the_gqa_mode_on_every_platform(mode
     dcp = view(resolve(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-replicate-q-proj"]))
     helix = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "1"]))
     assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {f: getattr(helix, f) for f in RESOLVED_FIELDS}
-    assert (dcp.helix_kvp_size, dcp.dcp_comm_backend, dcp.dcp_replicate_q_proj) == (2, "a2a", True)
+    assert (gqa_mode(dcp), dcp.dcp_comm_backend, dcp.dcp_replicate_q_proj) == (True, "a2a", True)
 
 
 def test_replicated_q_with_an_all_to_all_named_is_the_gqa_mode(model):
@@ -597,7 +609,7 @@ def test_replicated_q_with_an_all_to_all_named_is_the_gqa_mode(model):
     mode too, so the Triton backend has one replicated-Q path."""
     args = ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj"]
     cfg = view(resolve(model(), args))
-    assert (cfg.helix_kvp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (2, "a2a", True)
+    assert (gqa_mode(cfg), cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (True, "a2a", True)
 
 
 SPELLINGS = {
@@ -618,7 +630,7 @@ def test_fi_a2a_named_is_kept_in_both_spellings_and_refused_off_cuda_as_upstream
     cuda = SimpleNamespace(is_cuda=True, is_hip=False, is_xpu=False, is_npu=False)
     monkeypatch.setattr(parallel_hook, "get_platform", lambda: cuda)
     cfg = view(resolve(model(), args))
-    assert (cfg.helix_kvp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (2, "fi_a2a", True)
+    assert (gqa_mode(cfg), cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (True, "fi_a2a", True)
 
 
 def test_replicated_q_with_another_exchange_stays_upstream(model):
@@ -630,8 +642,7 @@ def test_replicated_q_with_another_exchange_stays_upstream(model):
 def test_plain_dcp_stays_upstream(model):
     """``--dcp-size`` with its default exchange (Q gathered) is upstream's DCP, not Helix."""
     cfg = view(resolve(model(), ["--tp", "4", "--dcp-size", "2"]))
-    assert (cfg.helix_kvp_size, cfg.dcp_size, cfg.dcp_interleave_size) == (1, 2, 1)
-    assert cfg.helix_kvp_size == 1
+    assert (gqa_mode(cfg), cfg.dcp_size, cfg.dcp_interleave_size) == (False, 2, 1)
 
 
 def test_split_backend_flag_names_the_default(model):
@@ -973,7 +984,8 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
 
     from sglang.srt.arg_groups.helix_hook import HelixConfigError, _resolve_kv_page
 
-    cfg = SimpleNamespace(device="cuda", helix_kvp_chunk_size=chunk, helix_kvp_size=kvp, tp_size=kvp * 2, page_size=chunk)
+    cfg = SimpleNamespace(device="cuda", dcp_interleave_size=chunk, dcp_size=kvp, tp_size=kvp * 2, page_size=chunk,
+                          max_total_tokens=None, chunked_prefill_size=None, _raw_input={"helix_kvp_size": kvp})  # fmt: skip
     _resolve_kv_page(None, SimpleNamespace(**{**vars(cfg), "device": "cpu"}))  # never on CPU
     if ok:
         _resolve_kv_page(None, cfg)
@@ -1154,3 +1166,20 @@ def test_pd_decode_is_accepted(model):
     """A Helix decode server of prefill/decode disaggregation over Mooncake resolves (test_helix_pd_e2e)."""
     cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--disaggregation-mode", "decode"]))
     assert (cfg.disaggregation_mode, cfg.disaggregation_transfer_backend, cfg.dcp_size) == ("decode", "mooncake", 2)
+
+
+def test_the_speculative_step_checks_the_mode(model, monkeypatch):
+    """The mode's speculation checks live in upstream's speculative step (speculative_hook), which
+    runs them whenever a draft class has opted in: here one is made to, so the check is tested on
+    its own, before the EAGLE head opts in."""
+    from sglang.srt.arg_groups import helix_hook
+
+    opted_in = helix_hook.helix_architectures
+    monkeypatch.setattr(helix_hook, "helix_architectures", lambda drafts=False: opted_in() + ["Draft"] * drafts)
+    message = helix_error(model(), [
+        "--tp", "4", "--helix-kvp-size", "2", *_spec(model()), "--speculative-draft-attention-backend", "flashinfer",
+    ])  # fmt: skip
+    assert message == _unsupported(
+        "this draft attention backend", "--speculative-draft-attention-backend flashinfer",
+        "Use triton or torch_native, or drop the flag",
+    )  # fmt: skip

@@ -18,8 +18,8 @@ workspace DIR, export DIR, upstream-branch CHECKOUT, prefixes.
 
 ``prefixes`` checks that the series is bisectable: on a pristine tree it applies the patches one
 by one with ``git am`` and, after each, imports every module touched so far and every new module,
-probes whether ``--helix-kvp-size 2`` is accepted (only from the first model patch on, which opts
-a model in), and runs that patch's own tests (``PREFIX_TESTS``) against the tree as it stands.
+probes whether DCP's GQA mode (``--dcp-size 2 --dcp-replicate-q-proj``) is accepted (only from
+the first model patch on, which opts a model in), and runs that patch's own tests (``PREFIX_TESTS``) against the tree as it stands.
 """
 
 from __future__ import annotations
@@ -495,10 +495,17 @@ PREFIX_TESTS = {
     "[Server] launch_server: an argument error is a usage error, not a traceback": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "a_usage_error_not_a_traceback",
     ],
-    "[Helix] Server args: the Helix flags resolve into DCP's GQA mode": [
+    "[DCP] Server args: the GQA mode, its interleave and what it runs with": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "kvp_size_below_one or interleave_size_below_one or chunk_size_below_one or not_divisible_by_kvp "
-        "or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream or kvp1_resolves",
+        "interleave_size_below_one or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream",
+    ],
+    "[Helix] Server args: --helix-kvp-size spells DCP's GQA mode": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k",
+        "kvp_size_below_one or chunk_size_below_one or not_divisible_by_kvp or kvp1_resolves or both_spellings "
+        "or dcp_spelling or flags_resolve_into_dcp or unsupported_combination",
+    ],
+    "[DCP] Server args: speculation in the GQA mode, checked in the speculative step": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k", "the_speculative_step_checks_the_mode",
     ],
     "[CPU] NGRAM: the verify's tree indices in torch on the CPU engine": ["test/test_ngram_tree_indices.py"],
     "[DCP] KV cache: a speculative draft is sharded like its target": ["test/test_helix_kv_cache.py"],
@@ -545,7 +552,7 @@ PREFIX_TESTS = {
 }
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.
-_SERVER_ARGS = "[Helix] Server args: the Helix flags resolve into DCP's GQA mode"
+_SERVER_ARGS = "[DCP] Server args: the GQA mode, its interleave and what it runs with"
 _DECODE_PERF = "[DCP] GQA-mode decode: stage 2 writes the All-to-All's send buffer, and a split extent per batch"
 NEW_MODULE_PATCHES = {
     "sglang/srt/layers/dcp/torch_attention.py": "[DCP] torch_native: decode context parallelism",
@@ -568,7 +575,7 @@ PRS = [
      "[DCP] GQA models replicate K/V", "[DCP] The fused rope + KV write is off"),
     (2, "[CPU] DCP on the CPU engine, and FP8 without AMX", "[Distributed] Do not create a PyNccl", "[CPU] FP8 linear"),
     (3, "[DCP] The GQA mode: replicated Q over tp / dcp, one All-to-All, models opting in",
-     "[Kernel] Triton decode stage 2: optional merged-LSE", "[DCP] Mixtral: opt in"),
+     "[Kernel] Triton decode stage 2: optional merged-LSE", "[Helix] Server args: --helix-kvp-size spells"),
     (4, "[DCP] Speculation in the GQA mode", "[torch_native] Speculative draft decode", "[DCP] EAGLE: the Llama draft head"),
     (5, "[DCP] PD disaggregation into the GQA mode", "[DCP] PD: a GQA decode server", "[DCP] PD: a GQA decode server"),
     (6, "[DCP] GQA-mode decode performance (needs GPU numbers)",
@@ -644,7 +651,7 @@ def modules_of(series: "Series", subject: str) -> list[str]:
     return [rel for rel in series.new_files if NEW_MODULE_PATCHES[rel] == subject]
 
 
-# The first patch from which --helix-kvp-size > 1 must be accepted: it opts Llama in (adds
+# The first patch from which DCP's GQA mode must be accepted: it opts Llama in (adds
 # ``supports_dcp_gqa = True`` to this file; earlier patches may touch the file for other reasons).
 FIRST_MODEL_FILE = "sglang/srt/models/llama.py"
 OPT_IN = "+    supports_dcp_gqa = True"
@@ -656,6 +663,7 @@ def opts_llama_in(patch: Path) -> bool:
 
 _PROBE = """
 import importlib, sys
+GQA_MODE = ["--dcp-size", "2", "--dcp-replicate-q-proj"]
 import sglang
 assert sglang.__file__.startswith(sys.argv[1]), f"sglang imported from {sglang.__file__}"
 for name in sys.argv[3].split(","):
@@ -663,13 +671,13 @@ for name in sys.argv[3].split(","):
 print("IMPORTED", len(sys.argv[3].split(",")), flush=True)
 from sglang.srt.server_args import prepare_server_args
 try:
-    args = prepare_server_args(["--model-path", sys.argv[2], "--device", "cpu", "--tp", "2", "--helix-kvp-size", "2"])
+    args = prepare_server_args(["--model-path", sys.argv[2], "--device", "cpu", "--tp", "2", *GQA_MODE])
     args.resolve_once()
     print("PROBE accepted")
 except SystemExit:
-    print("PROBE refused: --helix-kvp-size is not a flag")
-except ValueError as e:
-    print("PROBE refused:", e)
+    print("PROBE refused: not a flag")
+except Exception as e:  # upstream refuses replicated Q off MLA in its own ways
+    print("PROBE refused:", type(e).__name__, e)
 """
 
 
@@ -838,7 +846,7 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
         expected = opted_in
         if accepted != expected:
             raise SeriesError(
-                f"prefix {i} ({patch.name}): --helix-kvp-size 2 is "
+                f"prefix {i} ({patch.name}): --dcp-size 2 --dcp-replicate-q-proj is "
                 f"{'accepted' if accepted else 'refused'} on a Llama model, expected "
                 f"{'accepted' if expected else 'refused'} ({probe[0]})"
             )
