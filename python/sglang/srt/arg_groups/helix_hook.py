@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Server arguments of DCP's GQA mode, Helix parallelism (arXiv 2507.07120): replicated Q
-(``--dcp-size K --dcp-replicate-q-proj``) on a model that is not MLA, the a2a exchange (fi_a2a
-where named), ``--dcp-interleave-size C`` consecutive tokens per rank.
+"""DCP's GQA mode, Helix parallelism (arXiv 2507.07120): ``--dcp-size K --dcp-replicate-q-proj``
+on a model that is not MLA, the a2a exchange (fi_a2a where named), ``--dcp-interleave-size C``.
 
 ``resolve_dcp_gqa_mode`` (before DCP's step) names the exchange and checks the grid;
 ``handle_helix_parallelism`` (after the CUDA graph step, again at the end) refuses what the mode
 does not run with and resolves the attention backend, prefill CUDA graphs (off) and the KV page
-(``page_size`` C: DCP allocates pages of C x K, one interleave run per rank). Messages name the
-mode as launched: DCP's flags or Helix's (``parallel_hook.handle_helix_spelling``)."""
+(``page_size`` C: DCP allocates pages of C x K, one interleave run per rank). The model, the
+speculation and PD are checked in upstream's steps for them (attention_hook, speculative_hook,
+pd_disaggregation_hook). Messages name the mode as launched (DCP's flags or Helix's)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from sglang.srt.configs.model_config import AttentionArch
 from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
 logger = logging.getLogger(__name__)
+HOOK = "handle_helix_parallelism"  # the source of the mode's declarations
 
 BACKENDS = ("triton", "torch_native")
 # KV cache dtypes with per-layer scales
@@ -50,9 +51,6 @@ UNSUPPORTED = {
     "expert parallelism yet": "ep_size=1 moe_a2a_backend:none enable_eplb elastic_ep_backend moe_dense_tp_size",
     "ModelOpt quantization yet": "modelopt_quant",
 }
-# Weight formats the mode serves: FP8, whose scales linear.py loads with the qkv rows of the TPA
-# shard (per tensor, per channel, 128-blocks), so every KVP rank of a TPA shard holds the same.
-FP8_METHODS = ("fp8", "compressed-tensors")
 
 
 class HelixConfigError(ValueError):  # launch_server reports it as a usage error
@@ -91,10 +89,6 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def declare(server_args: Any, **fields: Any) -> None:
-    declare_resolution(server_args, "handle_helix_parallelism", **fields)
-
-
 def dcp_gqa_mode(cfg: Any) -> bool:
     """Replicated Q with the All-to-All (or no exchange named yet) on a model that is not MLA
     (MLA's replicated Q is upstream's)."""
@@ -122,7 +116,7 @@ def resolve_dcp_gqa_mode(server_args: Any) -> None:
         grid = "Helix arranges the --tp ranks as a KVP x TPA grid"
         fail(cfg, f"{size} {k} does not divide --tp {n}: {grid}", f"Use {size} {good}")
     if cfg.dcp_comm_backend is None:  # replicated Q is the mode on every platform
-        declare(server_args, dcp_comm_backend="a2a")
+        declare_resolution(server_args, HOOK, dcp_comm_backend="a2a")
     msg = f"Helix parallelism: {mode} on a GQA model, --dcp-interleave-size {i}, TPA = --tp {n} / {k} = {n // k}."
     logger.info(msg)
     check_unsupported_flags(cfg)  # before DCP's own step refuses some with a traceback
@@ -135,7 +129,6 @@ def handle_helix_parallelism(server_args: Any) -> None:  # idempotent
         return  # off: nothing is declared, resolution is upstream's
     check_unsupported_flags(cfg)
     _check_features(cfg)
-    _check_model(cfg)
     _resolve_attention_backend(server_args, cfg)
     graphs = cfg.cuda_graph_config
     if graphs is not None and graphs.prefill.backend != Backend.DISABLED:
@@ -143,73 +136,8 @@ def handle_helix_parallelism(server_args: Any) -> None:  # idempotent
         msg = f"Helix parallelism ({spelling(cfg)[0]}): disabling prefill CUDA graphs ({why}); decode graphs stay on."
         logger.warning(msg)
         off = with_phase(graphs, Phase.PREFILL, backend=Backend.DISABLED)
-        declare(server_args, cuda_graph_config=off)
+        declare_resolution(server_args, HOOK, cuda_graph_config=off)
     _resolve_kv_page(server_args, cfg)
-
-
-def _check_model(cfg: Any) -> None:
-    """Its class (per ``--model-impl`` too) opts in in its own body; its heads fit the grid."""
-    from sglang.srt.model_loader.utils import get_model_architecture
-
-    mode, mc = spelling(cfg)[0], model_config_of(cfg)
-    model, (cls, arch) = f"--model-path {cfg.model_path}", get_model_architecture(mc)
-    if not vars(cls).get("supports_dcp_gqa"):
-        supported = f"{join(helix_architectures())} models (SGLang's own model code)"
-        problem = f"{mode} supports only {supported}, but {model} is {arch}"
-        fail(cfg, problem, "Serve a supported model")
-    check_heads(cfg, mc.num_attention_heads, mc.get_total_num_kv_heads(), model)
-    for field, dim in (("head_dim", mc.head_dim), ("v_head_dim", mc.v_head_dim)):
-        if dim < 2 or dim & (dim - 1):  # the All-to-All: a head's LSE after its row
-            why = "(the All-to-All and LSE combine take whole head rows)"
-            problem = f"{mode} needs power-of-two attention head dims {why}, but {model} has {field} {dim}"
-            fail(cfg, problem)
-    if mc.quantization:
-        _check_quantization(cfg, mc, model)
-
-
-def _check_quantization(cfg: Any, mc: Any, model: str) -> None:
-    """FP8 only; a block-wise checkpoint's qkv rows per TPA rank in whole blocks."""
-    method, hf = mc.quantization, mc._parse_quant_hf_config() or {}
-    given = f"{model} is {method}-quantized"
-    given = f"--quantization {method}" if cfg.quantization else given
-    weights = [g.get("weights") or {} for g in (hf.get("config_groups") or {}).values()]
-    kinds = {f"{w.get('num_bits')}-bit {w.get('type')}" for w in weights}
-    if method not in FP8_METHODS or kinds - {"8-bit float"}:
-        what = f"{method} ({join(sorted(kinds))})" if kinds else method
-        fix = "Serve a bf16 or FP8 checkpoint (fp8, compressed-tensors FP8)"
-        unsupported(cfg, f"{what} weights yet", [given], fix)
-    blocks = [hf.get("weight_block_size")] + [w.get("block_structure") for w in weights]
-    block, n, size = next((b[0] for b in blocks if b), 0), cfg.tp_size, spelling(cfg)[1]
-    heads = (mc.num_attention_heads, mc.get_total_num_kv_heads())
-
-    def rows(k: int) -> list:  # q and k/v rows of a TPA rank's qkv_proj at KVP k
-        return sorted({h // (n // k) * mc.head_dim for h in heads})
-
-    def whole(k: int) -> bool:
-        return n // k <= heads[1] and all(r % block == 0 for r in rows(k))
-
-    if block and not whole(k := cfg.dcp_size):
-        tpa = f"TPA = --tp {n} / {size} {k} = {n // k}"
-        problem = f"{size} {k}: {given} in {block}-row blocks, but at {tpa} a qkv_proj shard has {join(rows(k))} rows per head group (not whole blocks)"
-        good = [v for v in range(2, n + 1) if n % v == 0 and whole(v)]
-        fix = "Serve a per-channel or per-tensor FP8 checkpoint"
-        fail(cfg, problem, f"Use {size} {join(good)}" if good else fix)
-
-
-def check_heads(cfg: Any, q: int, k: int, model: str) -> None:
-    n, kvp, size = cfg.tp_size, cfg.dcp_size, spelling(cfg)[1]
-    if (tpa := n // kvp) > k or k % tpa:
-        fits = lambda v: n % v == 0 and n // v <= k and k % (n // v) == 0  # noqa: E731
-        good = [v for v in range(2, n + 1) if fits(v) and q % n == 0]
-        fix = f"Use {size} {join(good)}" if good else f"Change --tp {n}"
-        grid = f"TPA = --tp {n} / {size} {kvp} = {tpa}"
-        why = "each attention-TP rank holds whole KV heads, none duplicated"
-        problem = f"{grid} {'exceeds' if tpa > k else 'does not divide'} the {k} KV heads of {model}: {why}"
-        fail(cfg, problem, fix)
-    if q % n:
-        why = "after the Helix All-to-All each rank owns an equal share of them"
-        problem = f"The {q} query heads of {model} are not divisible by --tp {n}: {why}"
-        fail(cfg, problem, f"Use a --tp that divides {q}")
 
 
 def helix_architectures(drafts: bool = False) -> list:
@@ -225,8 +153,7 @@ def helix_architectures(drafts: bool = False) -> list:
 def _resolve_attention_backend(server_args: Any, cfg: Any) -> None:
     """One backend for both phases (not a HybridAttnBackend); unset: a split flag's,
     else the platform's."""
-    fields = ("attention_backend", "prefill_attention_backend")
-    fields += ("decode_attention_backend",)
+    fields = tuple(f"{phase}attention_backend" for phase in ("", "prefill_", "decode_"))
     main, prefill, decode = values = [getattr(cfg, f) for f in fields]
     for field, backend in zip(fields, values):
         if backend not in (None, *BACKENDS):
@@ -241,7 +168,7 @@ def _resolve_attention_backend(server_args: Any, cfg: Any) -> None:
         backend = prefill or decode or platform
         msg = f"Helix parallelism: attention backend not specified; using {backend}."
         logger.info(msg)
-        declare(server_args, attention_backend=backend)
+        declare_resolution(server_args, HOOK, attention_backend=backend)
 
 
 def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
@@ -261,7 +188,7 @@ def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
     if cfg.page_size != chunk:
         msg = f"Helix parallelism: --page-size {chunk}; KV ids are allocated in pages of {pages} tokens (one interleave run per KVP rank)."
         logger.info(msg)
-        declare(server_args, page_size=chunk)
+        declare_resolution(server_args, HOOK, page_size=chunk)
     what = f"Helix KV page ({pages} tokens)"
     if 0 < (cfg.max_total_tokens or 0) < page:
         problem = f"--max-total-tokens {cfg.max_total_tokens} is less than one {what}, in which each rank's KV rows are allocated"
@@ -279,7 +206,7 @@ def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
         )
         msg = f"Helix parallelism: --chunked-prefill-size {old} -> {new}, a multiple of the {what}: {why}."
         logger.info(msg)
-        declare(server_args, chunked_prefill_size=new)
+        declare_resolution(server_args, HOOK, chunked_prefill_size=new)
 
 
 def check_unsupported_flags(cfg: Any, features: dict = UNSUPPORTED) -> None:
