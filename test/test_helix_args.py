@@ -22,6 +22,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR, cpu_server_env
 from sglang_helix.testing.tiny_models import ARCHS, TinyModelSpec, write_tiny_model
 
 HELIX_FIELDS = ("helix_kvp_size", "helix_kvp_chunk_size", "dcp_interleave_size")
+GQA_MODE = ["--dcp-size", "2", "--dcp-replicate-q-proj"]  # DCP's spelling of the mode (Helix's: later)
 HOOK_SOURCE = "handle_helix_parallelism"
 
 
@@ -204,10 +205,10 @@ def test_model_class_must_opt_in(model, monkeypatch):
     assert vars(LlamaForCausalLM)["supports_dcp_gqa"] and vars(MistralForCausalLM)["supports_dcp_gqa"]
     monkeypatch.setattr(LlamaForCausalLM, "supports_dcp_gqa", False)
     path = model()
-    assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
-        "--helix-kvp-size 2 supports only MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM or Qwen3MoeForCausalLM models (SGLang's own model code), but --model-path "
-        f"{path} is LlamaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
+    assert helix_error(path, ["--tp", "4", *GQA_MODE]) == (
+        "--dcp-size 2 --dcp-replicate-q-proj supports only MistralForCausalLM, MixtralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM models (SGLang's own model code), but "
+        f"--model-path {path} is LlamaForCausalLM. Serve a supported model, or drop --dcp-replicate-q-proj."
     )
 
 
@@ -228,7 +229,7 @@ def test_inherited_opt_in_is_not_enough(model, tmp_path):
     config["architectures"] = [arch]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    assert f"but --model-path {path} is {arch}." in helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"])
+    assert f"but --model-path {path} is {arch}." in helix_error(path, ["--tp", "4", *GQA_MODE])
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
@@ -238,9 +239,8 @@ def test_supported_architectures(tmp_path, arch):
     path = write_tiny_model(str(tmp_path / arch), TinyModelSpec(arch=arch, num_heads=8, num_kv_heads=2))
     with open(os.path.join(path, "config.json")) as f:
         assert f"{ARCHS[arch][1]}" in json.load(f)["architectures"]
-    server_args = resolve(path, ["--tp", "4", "--helix-kvp-size", "2"])
-    cfg = view(server_args)
-    assert (cfg.helix_kvp_size, cfg.helix_kvp_chunk_size, cfg.page_size) == (2, 64, 64)
+    cfg = view(resolve(path, ["--tp", "4", *GQA_MODE, "--dcp-interleave-size", "64"]))
+    assert gqa_mode(cfg) and cfg.page_size == 64  # DCP allocates pages of 64 x 2: one run per rank
     # DCP's GQA mode: the group, exchange, replicated Q and interleave are DCP's
     assert (cfg.dcp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj, cfg.dcp_interleave_size) == (2, "a2a", True, 64)
 
@@ -1183,3 +1183,24 @@ def test_the_speculative_step_checks_the_mode(model, monkeypatch):
         "this draft attention backend", "--speculative-draft-attention-backend flashinfer",
         "Use triton or torch_native, or drop the flag",
     )  # fmt: skip
+
+
+def test_the_helix_spelling_on_an_mla_model_is_refused(tmp_path):
+    """``--helix-kvp-size`` is DCP's GQA mode; on an MLA model replicated Q is upstream DCP's own, so
+    the Helix spelling is refused there naming that spelling, not with a message about the interleave
+    it set (resolution only: a DeepSeek-V3 config, no weights)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+    )  # fmt: skip
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    for chunk in ("64", "1"):
+        message = helix_error(str(tmp_path), ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk])
+        assert message == (
+            f"--helix-kvp-size 2 is DCP's GQA mode, but --model-path {tmp_path} is MLA. Use --dcp-size 2 "
+            "--dcp-replicate-q-proj (upstream DCP's replicated Q for MLA), or use --helix-kvp-size 1."
+        )

@@ -501,8 +501,9 @@ PREFIX_TESTS = {
     ],
     "[Helix] Server args: --helix-kvp-size spells DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "kvp_size_below_one or chunk_size_below_one or not_divisible_by_kvp or kvp1_resolves or both_spellings "
-        "or dcp_spelling or flags_resolve_into_dcp or unsupported_combination",
+        "not launch_server and not speculative and not speculation and not standalone and not tree_drafts "
+        # (speculation is accepted from the EAGLE patch on; the PD checks come with the PD patch)
+        "and not ngram and not draft_config and not pd-prefill and not pd-decode",
     ],
     "[DCP] Server args: speculation in the GQA mode, checked in the speculative step": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "the_speculative_step_checks_the_mode",
@@ -516,9 +517,7 @@ PREFIX_TESTS = {
     ],
     "[DCP] Llama, Mistral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "not qwen and not mixtral and not opt_in and not unsupported_architecture and not launch_server "
-        "and not speculative and not speculation and not standalone and not tree_drafts and not ngram "
-        "and not draft_config",  # (speculation is accepted from the EAGLE patch on)
+        "(supported_architectures and (llama or mistral)) or dcp_spelling_refusals or interleave",
     ],
     "[DCP] Qwen2: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen2",
@@ -788,7 +787,8 @@ class _ProbeServer:
         self.proc.wait(timeout=60)
 
 
-def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print, workers: int = 2) -> list[str]:
+def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print, workers: int = 2,
+                   tests_from: int = 1) -> list[str]:  # fmt: skip
     """Apply the series one patch at a time to a pristine tree in ``work`` and check each prefix.
 
     Returns one line per prefix; raises ``SeriesError`` at the first prefix that fails.
@@ -851,9 +851,11 @@ def check_prefixes(series: Series, work: Path, run_tests: bool = True, log=print
                 f"{'accepted' if expected else 'refused'} ({probe[0]})"
             )
         tests = PREFIX_TESTS.get(subject, [])
-        if run_tests and tests:
-            # an earlier tree, not the installed series: the launch check does not apply (HELIX_CI off)
-            prefix_env = {k: v for k, v in env.items() if k != "HELIX_CI"}
+        if run_tests and tests and i >= tests_from:
+            # an earlier tree, not the installed series: the launch check does not apply (HELIX_CI off);
+            # the tests run in this process with every model module, as pytest runs them in CI (a
+            # server they start skips the unserved ones itself)
+            prefix_env = {k: v for k, v in env.items() if k not in ("HELIX_CI", "SGLANG_DISABLED_MODEL_ARCHS")}
             r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *tests],
                                cwd=series.repo, env={**prefix_env, "PYTHONPATH": os.pathsep.join([str(root), env["PYTHONPATH"]])},
                                capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -931,6 +933,8 @@ def main(argv=None) -> int:
     sp = sub.add_parser("prefixes", help="check every prefix of the series: git am, imports, flag gate, its tests")
     sp.add_argument("--no-tests", action="store_true", help="skip each patch's tests (PREFIX_TESTS)")
     sp.add_argument("--work", type=Path, help="work directory (default: a temporary one, removed)")
+    sp.add_argument("--tests-from", type=int, default=1, metavar="N",
+                    help="run the patches' tests from prefix N on (every prefix still applies, imports, probes)")  # fmt: skip
     sub.add_parser("prs", help="each PR's patch range and its added lines (patches + new modules)")
     sp = sub.add_parser("upstream-branch", help="make a PR branch on an sglang git checkout")
     sp.add_argument("checkout", type=Path)
@@ -957,10 +961,10 @@ def main(argv=None) -> int:
                 print(w.relative_to(series.repo))
         elif args.cmd == "prefixes":
             if args.work:
-                check_prefixes(series, args.work, run_tests=not args.no_tests)
+                check_prefixes(series, args.work, run_tests=not args.no_tests, tests_from=args.tests_from)
             else:
                 with tempfile.TemporaryDirectory(prefix="helix-prefixes-") as tmp:
-                    check_prefixes(series, Path(tmp), run_tests=not args.no_tests)
+                    check_prefixes(series, Path(tmp), run_tests=not args.no_tests, tests_from=args.tests_from)
             print(f"all {len(series.patches)} prefixes pass")
         elif args.cmd == "prs":
             return print_prs(series)

@@ -296,14 +296,11 @@ class Ranks:
                     self.spec.num_steps,
                 )
         else:
-            from sglang.srt.layers.attention.torch_native_backend import (
-                TorchNativeAttnBackend,
-                TorchNativeMultiStepDraftBackend,
-            )
+            from sglang.srt.layers.attention import torch_native_backend as torch_native
 
-            self.backends[rank] = TorchNativeAttnBackend(self.model_runner(rank))
-            if self.spec is not None and self.spec.num_steps > 1:
-                self.draft_backends[rank] = TorchNativeMultiStepDraftBackend(
+            self.backends[rank] = torch_native.TorchNativeAttnBackend(self.model_runner(rank))
+            if self.spec is not None and self.spec.num_steps > 1:  # (drafts: the torch_native speculation patch)
+                self.draft_backends[rank] = torch_native.TorchNativeMultiStepDraftBackend(
                     self.model_runner(rank, is_draft=True),
                     self.spec.topk,
                     self.spec.num_steps,

@@ -72,7 +72,7 @@ def spelling(cfg: Any) -> tuple:
 
 def fail(cfg: Any, problem: str, fix: str = "") -> None:
     off = spelling(cfg)[3]
-    fix = f"{fix}, or {off}" if fix else off[0].upper() + off[1:]
+    fix = f"{fix}, or {off}" if fix else off.capitalize()
     raise HelixConfigError(f"{problem}. {fix}.")
 
 
@@ -90,8 +90,7 @@ def flag(field: str) -> str:
 
 
 def dcp_gqa_mode(cfg: Any) -> bool:
-    """Replicated Q with the All-to-All (or no exchange named yet) on a model that is not MLA
-    (MLA's replicated Q is upstream's)."""
+    """Replicated Q, the All-to-All (or none named yet), a model that is not MLA."""
     a2a = cfg.dcp_comm_backend in (None, "a2a", "fi_a2a")
     if cfg.dcp_size <= 1 or not cfg.dcp_replicate_q_proj or not a2a:
         return False
@@ -105,6 +104,10 @@ def resolve_dcp_gqa_mode(server_args: Any) -> None:
         msg = f"--dcp-interleave-size must be >= 1, got --dcp-interleave-size {i}"
         raise HelixConfigError(f"{msg}. Use a positive --dcp-interleave-size.")
     if not dcp_gqa_mode(cfg):
+        if (raw(cfg, "helix_kvp_size") or 1) > 1:  # replicated Q on MLA is upstream's
+            mla, k = f"--model-path {cfg.model_path} is MLA", cfg.dcp_size
+            fix = f"Use --dcp-size {k} --dcp-replicate-q-proj (upstream DCP's replicated Q for MLA)"
+            fail(cfg, f"--helix-kvp-size {k} is DCP's GQA mode, but {mla}", fix)
         if i != 1:
             mode = "--dcp-size > 1 --dcp-replicate-q-proj on a GQA model"
             msg = f"--dcp-interleave-size {i} needs DCP's GQA mode ({mode})"
