@@ -530,12 +530,12 @@ PREFIX_TESTS = {
     ],
     "[DCP] EAGLE: the Llama draft head opts in as a draft": [
         "test/test_helix_args.py", "test/test_helix_attention.py", "-m", "not e2e", "-k",
-        "speculative or speculation_keeps",
+        "(speculative or speculation_keeps) and not pd-decode",  # (PD's checks: the PD patch)
     ],
     "[CPU] Disaggregation: prefill/decode disaggregation on the CPU engine": [
         "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
     ],
-    _PD_RELAYOUT: ["test/test_helix_pd.py", "-m", "not e2e"],
+    _PD_RELAYOUT: ["test/test_helix_pd.py", "test/test_helix_args.py", "-m", "not e2e", "-k", "test_helix_pd or pd-"],
     "[DCP] Speculation: the verify's and each draft step's lists over DCP's layout, eager and in CUDA graphs": [
         "test/test_helix_decode_graph.py", "test/test_helix_attention.py", "-m", "not e2e", "-k",
         "draft_steps or speculative or tree_verify",
