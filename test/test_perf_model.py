@@ -3,8 +3,10 @@ hand-computed cases, on round-number hardware. No timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -354,3 +356,140 @@ def test_dcp_flops_by_hand():
     assert dcp.kv_s == pytest.approx(2 * 192_000 / 1e9) and tp.kv_s == dcp.kv_s == helix.kv_s
     assert dcp.weights_s == pytest.approx((2 * 52_224 + 96_000) / 1e9) and tp.weights_s == dcp.weights_s
     assert helix.weights_s == pytest.approx((2 * 61_440 + 96_000) / 1e9)
+
+
+# --- hybrid models (Qwen3.5: one layer in four softmax attention with a KV cache, the rest Gated DeltaNet)
+
+# TINY's shape in 4 layers, 1 with full attention (an output gate: q_proj 2 x Q rows), 3 linear: 2 key
+# heads x 8, 4 value heads x 8, conv kernel 4.
+HYB = pm.Model("hyb", 4, 64, 8, 2, 8, 16, 128, 1000, full_attention_layers=1, attn_output_gate=True,
+               linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8)  # fmt: skip
+
+
+def test_hybrid_parameters_and_state():
+    # in_proj_qkvz 64 x (2 x 16 + 2 x 32) + in_proj_ba 64 x 2 x 4 + conv1d (16 + 16 + 32) x 4 + out_proj 32 x 64
+    assert HYB.linear_params() == 64 * 96 + 64 * 8 + 64 * 4 + 32 * 64 == 8960
+    # recurrent state [4, 8, 8] fp32 + the conv's last 3 inputs of 64 channels, bf16
+    assert HYB.linear_state_bytes() == 4 * 8 * 8 * 4 + 64 * 3 * 2 == 1408
+    assert HYB.qkv_params() == 64 * (2 * 8 + 2 * 2) * 8  # the gate doubles q_proj's rows
+    assert HYB.full_layers == 1 and TINY.full_layers == 2
+
+
+def test_hybrid_step_by_hand():
+    """HYB on Helix KVP 2 x TPA 2 and on TP 4, S = 1000: KV, the A2A and DCP's collectives in the one
+    full-attention layer; the three linear layers read + write each request's state over N = 4 and
+    their projections over N, in every layout."""
+    hx = pm.step(HYB, HW, pm.Layout(4, 2), 1000, 3, "bf16", "bf16")
+    tp = pm.step(HYB, HW, pm.Layout(4, 1), 1000, 3, "bf16", "bf16")
+    state = 3 * 2 * 1408 / 4  # per linear layer: 3 requests, read + write, over 4 GPUs: 2112 B
+    assert hx.kv_s == pytest.approx((3 * 500 * 32 + 3 * state) / 1e12)  # 1 KV head x 500 tokens
+    assert tp.kv_s == pytest.approx((3 * 1000 * 32 + 3 * state) / 1e12)  # 1 KV head (replicated) x 1000
+    assert hx.kv_bytes_per_request == 500 * 32 + 3 * 1408 / 4 and tp.kv_bytes_per_request == 1000 * 32 + 3 * 352
+    # B = 1 weights: full layer qkv 10240 / TPA 2 + o_proj 1024 + MLP 6144 = 12288 params (TP4: 2560 +
+    # 7168 = 9728); linear layer 8960 / 4 + 6144 = 8384; lm_head 16,000
+    hx1 = pm.step(HYB, HW, pm.Layout(4, 2), 1000, 1, "bf16", "bf16")
+    tp1 = pm.step(HYB, HW, pm.Layout(4, 1), 1000, 1, "bf16", "bf16")
+    assert hx1.weights_s == pytest.approx(2 * (12288 + 3 * 8384 + 16000) / 1e12)
+    assert tp1.weights_s == pytest.approx(2 * (9728 + 3 * 8384 + 16000) / 1e12)
+    # MoE in place of the MLP (4 experts of width 32, 1 per token: 6144 / 4 = 1536 params a layer):
+    # full layer 2560 + 1024 + 1536 = 5120, linear layer 2240 + 1536 = 3776
+    moe = dataclasses.replace(HYB, ffn=0, experts=4, experts_per_token=1, expert_ffn=32)
+    assert pm.step(moe, HW, pm.Layout(4, 1), 1000, 1, "bf16", "bf16").weights_s == pytest.approx(2 * (5120 + 3 * 3776 + 16000) / 1e12)
+    # B = 5: one All-to-All (the full layer; 200 B as TINY's), two all-reduces in each of the 4 layers
+    h5 = pm.step(HYB, HW, pm.Layout(4, 2), 1000, 5, "bf16", "bf16")
+    assert h5.a2a_s == pytest.approx(1e-6 + 200 / 1e11)
+    assert h5.ar_s == pytest.approx(4 * 2 * (1e-6 + 960 / 1e11))
+    assert pm.collectives_per_layer(HYB, pm.Layout(4, 2), 5, linear=True) == [("all-reduce", 960.0)] * 2
+    # DCP 2: its all-gathers and fp32 output all-reduce in the full layer only (test_dcp_0523_collectives_by_hand)
+    d5 = pm.step(HYB, HW, pm.Layout(4, 2, "dcp"), 1000, 5, "bf16", "bf16")
+    assert d5.ag_s == pytest.approx(2e-6 + 240 / 1e11)
+    assert d5.ar_s == pytest.approx(3e-6 + (640 + 1920) / 1e11 + 3 * 2 * (1e-6 + 960 / 1e11))
+
+
+def test_hybrid_with_every_layer_full_is_the_plain_model():
+    """Linear-attention dims on a model whose layers all attend change nothing, in every family
+    (baselines included); benchmark/results/perf-compare*.csv are unchanged (test below)."""
+    moe = pm.Model("moe", 3, 64, 8, 2, 8, 16, 128, 1000, 8, 2, 32, 1, 1)
+    for plain in (TINY, moe):
+        full = dataclasses.replace(plain, full_attention_layers=plain.layers, linear_k_heads=2, linear_v_heads=4,
+                                   linear_k_dim=8, linear_v_dim=8)  # fmt: skip
+        for lay in pm.layouts(plain, 4, baselines=True, dcp=True):
+            for b in (1, 5, 64):
+                assert pm.step(full, HW, lay, 1000, b, "bf16", "bf16") == pm.step(plain, HW, lay, 1000, b, "bf16", "bf16")
+
+
+def test_hybrid_kv_scales_with_the_full_layers():
+    no_state = dataclasses.replace(HYB, linear_k_heads=0, linear_v_heads=0)
+    for lay in (pm.Layout(4, 1), pm.Layout(4, 2), pm.Layout(4, 2, "dcp")):
+        one, *more = [pm.step(dataclasses.replace(no_state, full_attention_layers=f), HW, lay, 100_000, 2, "bf16", "bf16")
+                      for f in (1, 2, 4)]  # fmt: skip
+        for f, s in zip((2, 4), more):
+            assert s.kv_s == pytest.approx(f * one.kv_s) and s.kv_bytes_per_request == pytest.approx(f * one.kv_bytes_per_request)
+    assert pm.step(HYB, HW, pm.Layout(4, 2), 1000, 5, "bf16", "bf16").a2a_s * 4 == pytest.approx(
+        pm.step(dataclasses.replace(HYB, full_attention_layers=4), HW, pm.Layout(4, 2), 1000, 5, "bf16", "bf16").a2a_s
+    )
+
+
+def test_qwen35_presets_and_their_kv_per_gpu():
+    """The presets add up to their names (397B total / 17B active; 35B / 3B, the names rounding the
+    active count down; vision tower and MTP layer left out). Qwen3.5-397B (K = 2) on 8 GPUs: plain
+    TP holds each KV head on 4 GPUs (4x the model's KV in all), Helix KVP 4 x TPA 2 each KV byte
+    once; only the 15 full-attention layers hold KV."""
+    for key, total, active in (("qwen3.5-397b-a17b", 397e9, 17e9), ("qwen3.5-35b-a3b", 35e9, 3e9)):
+        m = pm.MODELS[key]
+        layer = m.full_layers * (m.qkv_params() + m.o_params()) + (m.layers - m.full_layers) * m.linear_params()
+        expert = 3 * m.hidden * m.expert_ffn
+        assert layer + m.layers * (m.experts + 1) * expert + 2 * m.vocab * m.hidden == pytest.approx(total, rel=0.02)
+        assert active <= layer + m.layers * (m.experts_per_token + 1) * expert + 2 * m.vocab * m.hidden < active + 0.5e9
+    m, hw, s = pm.MODELS["qwen3.5-397b-a17b"], pm.HARDWARE["h200"], 1 << 20
+    assert (m.full_layers, m.kv_heads, m.head_dim) == (15, 2, 256)
+    model_kv = 15 * 2 * 512 * 2 * s  # per request, bf16
+    state = 45 * m.linear_state_bytes() / 8  # the linear layers' state per GPU: 45 x 4.07 MiB / 8
+    tp = pm.step(m, hw, pm.Layout(8, 1), s, 1, "bf16", "bf16")
+    hx = pm.step(m, hw, pm.Layout(8, 4), s, 1, "bf16", "bf16")
+    assert (tp.kv_bytes_per_request - state) * 8 == 4 * model_kv
+    assert (hx.kv_bytes_per_request - state) * 8 == model_kv
+    assert pm.layout_problem(m, pm.Layout(8, 8, "dcp")) == ""  # 0.5.23 replicates its K/V in the DCP group
+
+
+def test_hybrid_config_json(tmp_path):
+    cfg = {"model_type": "qwen3_5_moe", "text_config": {
+        "model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 8, "num_hidden_layers": 8, "vocab_size": 1000, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "full_attention_interval": 4,
+        "attn_output_gate": True, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = pm.model_from_config(str(path))
+    assert (m.full_layers, m.attn_output_gate, m.shared_experts, m.dcp_replicates_kv) == (2, True, 1, True)
+    assert m.linear_params() == HYB.linear_params() and m.linear_state_bytes() == HYB.linear_state_bytes()
+    cfg["text_config"]["layer_types"] = ["full_attention"] + ["linear_attention"] * 7
+    path.write_text(json.dumps(cfg))
+    assert pm.model_from_config(str(path)).full_layers == 1
+
+
+COMPARE = "--compare --hw h100,h200,b200 --gpus 8,16 --batch 1,16,64".split()
+
+
+@pytest.mark.parametrize("name, args", [
+    ("perf-compare.csv", ["--model", "table", "--context", "32768,131072,1048576"]),
+    ("perf-compare-latency.csv", ["--model", "table", "--context", "32768,131072,1048576", "--latency-us", "3,10,30"]),
+    ("perf-compare-qwen3.5.csv", ["--model", "qwen3.5-397b-a17b,qwen3.5-35b-a3b", "--context", "131072,262144,524288,1048576"]),
+])  # fmt: skip
+def test_committed_compare_csvs_are_the_commands_output(name, args, tmp_path, capsys):
+    """benchmark/results' rows are what the commands in perf-model.md / benchmark/README.md print today:
+    the hybrid accounting left every earlier row as it was."""
+    out = tmp_path / name
+    assert pm.main(COMPARE + args + ["--csv", str(out)]) == 0
+    capsys.readouterr()
+    assert out.read_text() == (pathlib.Path(__file__).resolve().parents[1] / "benchmark" / "results" / name).read_text()
+
+
+def test_committed_qwen35_markdown_is_the_commands_output(capsys):
+    """benchmark/results/perf-compare-qwen3.5.md: after its header, the printout of the command it names."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "benchmark" / "results" / "perf-compare-qwen3.5.md").read_text()
+    args = COMPARE + ["--model", "qwen3.5-397b-a17b,qwen3.5-35b-a3b", "--context", "131072,262144,524288,1048576"]
+    assert pm.main(args + ["--markdown", "--detail", "131072,1,131072,16,1048576,1"]) == 0
+    out = capsys.readouterr().out
+    assert text.endswith("```\n" + out) and "| Qwen3.5-397B-A17B | 8 | 0.99 · 1.05 |" in out

@@ -26,7 +26,9 @@ For each layout of N GPUs and batch B it prints one decode step per GPU. The lay
 
 and breaks the step into
 
-    kv      KV bytes the GPU reads / HBM bandwidth, and attention FLOPs / peak (roofline max)
+    kv      KV bytes the GPU reads / HBM bandwidth, and attention FLOPs / peak (roofline max); a
+            hybrid model (Qwen3.5): KV in its full-attention layers only, and the state its linear
+            (Gated DeltaNet) layers read and write, which run as plain TP over N in every layout
     weights weight bytes the GPU reads / HBM bandwidth, and GEMM FLOPs / peak (roofline max)
     a2a     the All-to-All per layer (Helix, DCP a2a): latency + bytes / NVLink bandwidth
     ag      DCP's all-gathers of Q and of the LSE: latency + bytes / NVLink bandwidth
@@ -165,6 +167,18 @@ class Model:
     mla_q_rank: int = 0  # MLA: q_lora_rank (0: plain q projection)
     v_head_dim: int = 0  # value head dim (0: head_dim)
     mla_rope_dim: int = 0  # MLA: the rope part of the latent (0: not MLA)
+    # Hybrid models (Qwen3.5, Qwen3-Next): only full_attention_layers of the layers attend with softmax
+    # over a KV cache (None: all); the others are Gated DeltaNet linear attention with a constant-size
+    # state, run as plain TP over N in every layout (no KV, no exchange): their projections and state
+    # come from linear_k_heads x linear_k_dim keys (and queries), linear_v_heads x linear_v_dim values.
+    full_attention_layers: Optional[int] = None
+    attn_output_gate: bool = False  # q_proj also emits a sigmoid gate per query head: 2 x Q rows
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 4  # the depthwise causal conv's kernel
+    dcp_replicates_kv: bool = False  # 0.5.23 replicates K/V inside the DCP group (qwen3_5.py): every d correct
 
     @property
     def moe(self) -> bool:
@@ -178,17 +192,41 @@ class Model:
     def dv(self) -> int:
         return self.v_head_dim or self.head_dim
 
+    @property
+    def full_layers(self) -> int:
+        """Layers with softmax attention and a KV cache (all but a hybrid model's linear layers)."""
+        return self.layers if self.full_attention_layers is None else self.full_attention_layers
+
     def qkv_params(self) -> float:
-        """Parameters of one layer's projections before attention (q, k, v; MLA: q_a/q_b, kv_a, kv_b)."""
+        """Parameters of one layer's projections before attention (q with its output gate, k, v;
+        MLA: q_a/q_b, kv_a, kv_b)."""
         h, d, q = self.hidden, self.head_dim, self.q_heads
         if not self.mla:
-            return h * (q + 2 * self.kv_heads) * d
+            return h * (q * (2 if self.attn_output_gate else 1) + 2 * self.kv_heads) * d
         q_proj = h * self.mla_q_rank + self.mla_q_rank * q * d if self.mla_q_rank else h * q * d
         latent = self.kv_dim - self.mla_rope_dim
         return q_proj + h * self.kv_dim + latent * q * ((d - self.mla_rope_dim) + self.dv)
 
     def o_params(self) -> float:
         return self.q_heads * self.dv * self.hidden
+
+    def _linear_dims(self) -> Tuple[int, int, int]:
+        kd, vd = self.linear_k_heads * self.linear_k_dim, self.linear_v_heads * self.linear_v_dim
+        return kd, vd, 2 * kd + vd  # keys (= queries), values, the conv's channels (q, k, v)
+
+    def linear_params(self) -> float:
+        """Parameters of one Gated DeltaNet layer (SGLang 0.5.23 ``qwen3_5.py``): in_proj_qkvz
+        [hidden -> 2 kd + 2 vd], in_proj_ba [hidden -> 2 v_heads], conv1d [2 kd + vd, kernel],
+        out_proj [vd -> hidden] (A_log, dt_bias and the norm: v_heads + v_dim each, left out)."""
+        kd, vd, conv = self._linear_dims()
+        return self.hidden * (2 * kd + 2 * vd + 2 * self.linear_v_heads) + conv * self.linear_conv + vd * self.hidden
+
+    def linear_state_bytes(self) -> float:
+        """One request's state in one Gated DeltaNet layer, whole: the recurrent state [v_heads,
+        k_dim, v_dim] fp32 and the conv's last kernel - 1 inputs [2 kd + vd, kernel - 1] bf16
+        (SGLang's default state dtypes, ``configs/mamba_utils.py``)."""
+        conv = self._linear_dims()[2]
+        return self.linear_v_heads * self.linear_k_dim * self.linear_v_dim * 4 + conv * (self.linear_conv - 1) * 2
 
 
 def _mla_preset() -> Model:
@@ -198,6 +236,12 @@ def _mla_preset() -> Model:
     # width 2048) + 1 shared, the first 3 layers dense (18432), vocab 129280.
     return Model("DeepSeek-R1", 61, 7168, 128, 1, 192, 576, 18432, 129280, 256, 8, 2048, 1, 3, 1536, 128, 64)
 
+
+# What the Qwen3.5 presets share (below): 2 KV heads of dim 256 with an output gate in the full-attention
+# layers, 16 key heads and value heads of dim 128 in the linear ones, one shared expert as wide as a routed
+# one, no dense FFN layer, vocab 248320; 0.5.23's qwen3_5.py replicates their K/V inside the DCP group.
+_QWEN35 = dict(kv_heads=2, head_dim=256, kv_dim=512, ffn=0, vocab=248320, shared_experts=1, attn_output_gate=True, linear_k_heads=16,
+               linear_k_dim=128, linear_v_dim=128, dcp_replicates_kv=True)  # fmt: skip
 
 MODELS = {
     # Each from the model's config.json (num_hidden_layers, hidden_size, num_attention_heads,
@@ -226,6 +270,26 @@ MODELS = {
     # 8 experts (2 per token, width 16384), vocab 32000.
     "mixtral-8x22b": Model("Mixtral-8x22B", 56, 6144, 48, 8, 128, 256, 16384, 32000, 8, 2, 16384),
     "deepseek-r1": _mla_preset(),
+    # Hybrid: Qwen3.5 (config.json's text_config: layer_types three linear_attention then one
+    # full_attention, full_attention_interval 4; attn_output_gate true; a shared expert with its own
+    # sigmoid gate, left out like the router; tie_word_embeddings false). Qwen's own config.json files
+    # are not among the stored public sources: these numbers are from copies of them that agree
+    # (THUDM/slime scripts/models/qwen3.5-397B-A17B.sh and qwen3.5-35B-A3B.sh, and parsers' test
+    # fixtures), except the 397B's shared_expert_intermediate_size: 1024 in slime's script and three
+    # fixtures, 4096 in one (Megatron-Bridge's Qwen3.5 bridge test). 1024 is used: with it the
+    # parameters add up to 396.2B total, 17.2B active (4096: 19.5B active). No dense FFN layer (ffn 0).
+    # Qwen/Qwen3.5-397B-A17B: 60 layers (15 full attention), hidden 4096, 32 q heads, 2 KV heads, head
+    # dim 256, 512 experts (10 per token, width 1024) + 1 shared (1024), vocab 248320; linear attention
+    # 16 key heads x 128, 64 value heads x 128, conv kernel 4.
+    "qwen3.5-397b-a17b": Model(
+        "Qwen3.5-397B-A17B", 60, 4096, 32, experts=512, experts_per_token=10, expert_ffn=1024, full_attention_layers=15, linear_v_heads=64, **_QWEN35
+    ),
+    # Qwen/Qwen3.5-35B-A3B: 40 layers (10 full attention), hidden 2048, 16 q heads, 2 KV heads, head dim
+    # 256, 256 experts (8 per token, width 512) + 1 shared (512), vocab 248320; linear attention 16 key
+    # heads x 128, 32 value heads x 128, conv kernel 4 (34.6B total, 3.4B active).
+    "qwen3.5-35b-a3b": Model(
+        "Qwen3.5-35B-A3B", 40, 2048, 16, experts=256, experts_per_token=8, expert_ffn=512, full_attention_layers=10, linear_v_heads=32, **_QWEN35
+    ),
 }
 
 # The models of the comparison table (benchmark/results/perf-model.md): ``--model table``.
@@ -250,10 +314,24 @@ def model_from_config(path: str) -> Model:
             c.get("first_k_dense_replace", 0), c.get("q_lora_rank") or 0, c.get("v_head_dim", 128), rope,
         )  # fmt: skip
     d = c.get("head_dim") or hidden // q
+    layers = c["num_hidden_layers"]
+    expert_ffn = c.get("moe_intermediate_size") or c.get("intermediate_size", 0)
+    hybrid = {}
+    if "linear_num_value_heads" in c:  # Qwen3.5 / Qwen3-Next: Gated DeltaNet layers between full attention
+        types = c.get("layer_types") or [("full" if (i + 1) % c.get("full_attention_interval", 4) == 0 else "linear")
+                                         for i in range(layers)]  # fmt: skip
+        hybrid = dict(
+            full_attention_layers=sum(1 for t in types if t.startswith("full")), attn_output_gate=c.get("attn_output_gate", True),
+            linear_k_heads=c["linear_num_key_heads"], linear_v_heads=c["linear_num_value_heads"],
+            linear_k_dim=c["linear_key_head_dim"], linear_v_dim=c["linear_value_head_dim"],
+            linear_conv=c.get("linear_conv_kernel_dim", 4), dcp_replicates_kv=c.get("model_type", "").startswith("qwen3_5"),
+        )  # fmt: skip
     return Model(
-        os.path.basename(os.path.dirname(os.path.abspath(path))) or "model", c["num_hidden_layers"], hidden, q,
+        os.path.basename(os.path.dirname(os.path.abspath(path))) or "model", layers, hidden, q,
         c.get("num_key_value_heads", q), d, 2 * d, c.get("intermediate_size", 0), vocab, experts,
-        c.get("num_experts_per_tok", 0), c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
+        c.get("num_experts_per_tok", 0), expert_ffn,
+        shared_experts=round(c.get("shared_expert_intermediate_size", 0) / expert_ffn) if experts and expert_ffn else 0,
+        **hybrid,
     )  # fmt: skip
 
 
@@ -359,8 +437,9 @@ def layout_problem(model: Model, layout: Layout) -> str:
     0.5.23's ``--dcp-size d`` keeps Llama-style K/V (sharded over the TP ranks) while its pool and
     decode assume every rank of a DCP group holds the same KV heads: true only where d divides N/K
     (K x d <= N). Otherwise query heads read zeros or the wrong KV head, silently
-    (benchmark/dcp_gqa_check.py, docs/upstream-pr.md)."""
-    if layout.kind != "dcp":
+    (benchmark/dcp_gqa_check.py, docs/upstream-pr.md). Not for Qwen3.5, whose 0.5.23 attention
+    replicates K/V inside the DCP group (``dcp_replicates_kv``)."""
+    if layout.kind != "dcp" or model.dcp_replicates_kv:
         return ""
     n, d, k = layout.n, layout.kvp, model.kv_heads
     if n % k or (n // k) % d:
@@ -376,7 +455,7 @@ class Step:
     weights_s: float
     a2a_s: float
     ar_s: float
-    kv_bytes_per_request: float  # KV one GPU holds for one request, all layers
+    kv_bytes_per_request: float  # KV (and a hybrid's linear-attention state) one GPU holds for one request, all layers
     max_batch: int  # requests whose KV fits next to the weights in 90% of HBM
     ag_s: float = 0.0  # DCP's all-gathers (Q and LSE)
     lm_head_s: float = 0.0  # the part of weights_s that is lm_head (not a decoder layer)
@@ -444,13 +523,15 @@ def helix_a2a_bytes(model: Model, n: int, kvp: int, batch: int, act_bytes: float
     return (kvp - 1) * batch * (model.q_heads / n) * ((dim or model.dv) * act_bytes + 4)
 
 
-def collectives_per_layer(model: Model, layout: Layout, batch: int, act_bytes: float = 2.0) -> List[Tuple[str, float]]:
+def collectives_per_layer(model: Model, layout: Layout, batch: int, act_bytes: float = 2.0,
+                          linear: bool = False) -> List[Tuple[str, float]]:  # fmt: skip
     """``[(collective, bytes one GPU sends)]`` of one decoder layer (dp-ep: of one MoE layer).
 
     TP, Helix, DCP: a ring all-reduce of [B, hidden] after o_proj and one after the FFN, over N
     (Medha: over TPA). Helix / Medha / DCP a2a+repQ: one All-to-All over the KVP group. DCP
     (0.5.23): all-gather Q, all-gather the fp32 LSE, all-reduce the fp32 outputs
     (``comm_per_layer``). dp-ep: the token dispatch and combine all-to-alls, B/N tokens x k experts x [H].
+    ``linear``: a hybrid model's linear-attention layer, plain TP in every layout: no exchange.
     """
     n, kvp, kind = layout.n, layout.kvp, layout.kind
     out: List[Tuple[str, float]] = []
@@ -459,10 +540,10 @@ def collectives_per_layer(model: Model, layout: Layout, batch: int, act_bytes: f
             ep = math.ceil(batch / n) * model.experts_per_token * model.hidden * act_bytes * (n - 1) / n
             out += [("all-to-all", ep), ("all-to-all", ep)]
         return out
-    if kind in ("helix", "medha", "dcp-a2a") and kvp > 1:
+    if kind in ("helix", "medha", "dcp-a2a") and kvp > 1 and not linear:
         dim = model.kv_dim - model.mla_rope_dim if (model.mla and kind == "dcp-a2a") else None
         out.append(("all-to-all", helix_a2a_bytes(model, n, kvp, batch, act_bytes, dim)))
-    if kind == "dcp" and kvp > 1:
+    if kind == "dcp" and kvp > 1 and not linear:
         c = comm_per_layer(model, n, "dcp", kvp, batch, act_bytes)
         out += [("all-gather", c["all-gather Q"]), ("all-gather", c["all-gather LSE (fp32)"])]
         out.append(("all-reduce", c["all-reduce outputs (fp32)"]))
@@ -509,13 +590,22 @@ def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w
         qk_dim, v_dim = model.head_dim, model.dv
     attn_flops = 2.0 * attn_batch * tokens * q_local * (qk_dim + v_dim)
     kv_s = _roofline(kv_bytes, attn_flops, hw, peak)
+    # A hybrid model: only its full-attention layers hold KV; each linear-attention layer reads and
+    # writes every request's state instead, split like the FFN (TP over N; dp-ep: whole), about one
+    # FLOP per byte (memory-bound: bytes only).
+    full, linear = model.full_layers, model.layers - model.full_layers
+    f = full / model.layers  # 1.0 unless hybrid
+    state_request = model.linear_state_bytes() / ffn_split  # per linear layer, one request, one GPU
+    state_s = 2.0 * attn_batch * state_request / hw.hbm_bytes_s
 
     # Weights one GPU reads per layer (and the GEMM FLOPs, 2 x tokens x parameters): qkv_proj over
     # its split, o_proj over N (Medha: TPA; DP: whole); the FFN over N (Medha: TPA; MoE: the
     # experts the batch touches, and the shared ones; dp-ep: routed experts over N, the rest whole).
     # qkv_proj / split counts TP's and DCP's K/V weights once: with N > K they are replicated, which
     # this leaves out (at most 2 x D x hidden per layer, ~1-3 % of a layer's weights per GPU).
+    # A hybrid model's linear-attention layers: their projections split like o_proj, in every layout.
     attn_w = model.qkv_params() / qkv_split + model.o_params() / ffn_split
+    linear_w = model.linear_params() / ffn_split
     moe_layers = model.layers - model.dense_layers if model.moe else 0
     dense_layers = model.layers - moe_layers
     dense_w = 3.0 * h * model.ffn / ffn_split
@@ -523,28 +613,38 @@ def step(model: Model, hw: Hardware, layout: Layout, context: int, batch: int, w
     routed_split = n if dp else ffn_split
     routed_w = expected_distinct_experts(model, batch) * one_expert / routed_split
     shared_w = model.shared_experts * one_expert / ffn_split
-    w_dense_s = _roofline((attn_w + dense_w) * wb, 2.0 * attn_batch * (attn_w + dense_w), hw, peak)
-    moe_flops = 2.0 * (attn_batch * (attn_w + shared_w) + batch * model.experts_per_token * one_expert / routed_split)
-    w_moe_s = _roofline((attn_w + routed_w + shared_w) * wb, moe_flops, hw, peak)
+
+    def dense_and_moe_s(a: float) -> Tuple[float, float]:  # one dense and one MoE layer whose attention has a params
+        moe_flops = 2.0 * (attn_batch * (a + shared_w) + batch * model.experts_per_token * one_expert / routed_split)
+        return (_roofline((a + dense_w) * wb, 2.0 * attn_batch * (a + dense_w), hw, peak),
+                _roofline((a + routed_w + shared_w) * wb, moe_flops, hw, peak))  # fmt: skip
+
+    # dense and MoE layers hold full and linear attention in the same proportion (exact for f = 1)
+    (full_dense_s, full_moe_s), (linear_dense_s, linear_moe_s) = dense_and_moe_s(attn_w), dense_and_moe_s(linear_w)
+    w_dense_s = f * full_dense_s + (1 - f) * linear_dense_s
+    w_moe_s = f * full_moe_s + (1 - f) * linear_moe_s
     lm_head = model.vocab * h / ffn_split
     lm_head_s = _roofline(lm_head * wb, 2.0 * attn_batch * lm_head, hw, peak)
     weights_s = dense_layers * w_dense_s + moe_layers * w_moe_s + lm_head_s
 
-    # Communication: per collective, latency + bytes / NVLink bandwidth (collectives_per_layer).
-    comm = dict.fromkeys(COLLECTIVES, 0.0)
-    for coll, nbytes in collectives_per_layer(model, layout, batch, act_bytes):
-        comm[coll] += hw.latency(coll) + nbytes / hw.link_bytes_s
-    layers = moe_layers if dp else model.layers  # dp-ep's all-to-alls run in the MoE layers only
-    a2a_s, ag_s, ar_s = (layers * comm[k] for k in ("all-to-all", "all-gather", "all-reduce"))
+    # Communication: per collective, latency + bytes / NVLink bandwidth (collectives_per_layer),
+    # in full-attention layers and (no exchange) linear-attention ones.
+    comm: Tuple[Dict[str, float], Dict[str, float]] = (dict.fromkeys(COLLECTIVES, 0.0), dict.fromkeys(COLLECTIVES, 0.0))
+    for c, is_linear in zip(comm, (False, True)):
+        for coll, nbytes in collectives_per_layer(model, layout, batch, act_bytes, is_linear):
+            c[coll] += hw.latency(coll) + nbytes / hw.link_bytes_s
+    counts = (moe_layers, 0) if dp else (full, linear)  # dp-ep's all-to-alls run in the MoE layers only
+    a2a_s, ag_s, ar_s = (counts[0] * comm[0][k] + counts[1] * comm[1][k] for k in ("all-to-all", "all-gather", "all-reduce"))
 
     # Capacity: every weight resident (all experts), embeddings and lm_head; KV in what is left.
     all_experts = (model.experts / routed_split + model.shared_experts / ffn_split) * one_expert
-    resident = dense_layers * (attn_w + dense_w) + moe_layers * (attn_w + all_experts)
+    mean_attn_w = f * attn_w + (1 - f) * linear_w
+    resident = dense_layers * (mean_attn_w + dense_w) + moe_layers * (mean_attn_w + all_experts)
     resident = (resident + 2 * lm_head) * wb
-    kv_request = model.layers * kv_per_token_layer * tokens
+    kv_request = full * kv_per_token_layer * tokens + linear * state_request
     per_gpu = max(0, int((0.9 * hw.hbm_bytes - resident) // kv_request))
     max_batch = per_gpu * n if dp else per_gpu  # DP: each GPU holds the KV of its own requests
-    return Step(layout, batch, model.layers * kv_s, weights_s, a2a_s, ar_s, kv_request, max_batch,
+    return Step(layout, batch, full * kv_s + linear * state_s, weights_s, a2a_s, ar_s, kv_request, max_batch,
                 ag_s, lm_head_s, layout_problem(model, layout))  # fmt: skip
 
 
