@@ -7,9 +7,12 @@ import os
 STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgl_kernel_stub")
 
 # The model modules the test servers serve: the families the series opts in (and SmolLM2, a
-# Llama) and the Llama EAGLE head. Every other module of sglang.srt.models is skipped by the
-# default tier's servers (SGLANG_DISABLED_MODEL_ARCHS, below).
-SERVED_MODEL_MODULES = ("llama", "llama_eagle", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+# Llama), the Llama EAGLE head, and the hybrid Qwen3.5 (its text-only entry classes live in
+# qwen3_5_text, its layers in qwen3_5; test/test_qwen3_5_harness.py). Every other module of
+# sglang.srt.models is skipped by the default tier's servers (SGLANG_DISABLED_MODEL_ARCHS, below).
+SERVED_MODEL_MODULES = (
+    "llama", "llama_eagle", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text",
+)  # fmt: skip
 
 
 def unserved_model_modules() -> list[str]:

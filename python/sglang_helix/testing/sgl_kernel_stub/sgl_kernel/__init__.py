@@ -14,6 +14,12 @@ with the signature and semantics of the real CPU op (``sgl-kernel/csrc/cpu/kvcac
 with sglang 0.5.23), checked against plain references in ``test/test_sgl_kernel_stub.py``. They are
 real implementations, so they are not logged. Anything else still raises.
 
+Likewise the CPU ops SGLang's Qwen3.5 hybrid path calls as ``torch.ops.sgl_kernel.*`` (gated
+delta rule, causal conv1d, gates, q/k norms, the output gate): ``qwen3_5_cpu_ops`` defines them in
+torch under the ``sgl_kernel`` op namespace when this package is imported, and ``sgl_kernel.mamba``
+holds the wheel's three CPU wrappers over them (``test/test_sgl_kernel_stub_gdn.py``). Those two
+submodules are real files; every other ``sgl_kernel.*`` submodule is a stub.
+
 Never install this into a real environment: it exists for the CPU harness only.
 """
 
@@ -321,13 +327,22 @@ TORCH_OPS = (
 def __getattr__(name: str):
     if name.startswith("__") and name.endswith("__"):
         raise AttributeError(name)
+    if name in REAL_SUBMODULES:  # ``from sgl_kernel import mamba`` asks here before importing it
+        return importlib.import_module(f"{__name__}.{name}")
     return StubKernel(name)
 
 
+# Submodules that are files of this package (real torch code); the finder leaves them to the normal
+# import system.
+REAL_SUBMODULES = ("mamba", "qwen3_5_cpu_ops")
+
+
 class _StubSubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Makes ``import sgl_kernel.anything`` yield a stub module as well."""
+    """Makes ``import sgl_kernel.anything`` yield a stub module as well (but ``REAL_SUBMODULES``)."""
 
     def find_spec(self, fullname, path, target=None):
+        if fullname in tuple(f"{__name__}.{m}" for m in REAL_SUBMODULES):
+            return None
         if fullname.startswith(__name__ + "."):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
@@ -351,3 +366,7 @@ class _StubSubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(f, _StubSubmoduleFinder) for f in sys.meta_path):
     sys.meta_path.insert(0, _StubSubmoduleFinder())
+
+# The Qwen3.5 CPU ops under torch.ops.sgl_kernel (SGLang binds them when its modules import). An
+# import statement, not ``from sgl_kernel import``: this module's ``__getattr__`` would answer that.
+importlib.import_module(__name__ + ".qwen3_5_cpu_ops").register()

@@ -1,0 +1,219 @@
+"""Tiny deterministic Qwen3.5 checkpoints (the hybrid Gated DeltaNet + attention family).
+
+``write_qwen3_5_model(path, spec)`` writes what ``python -m sglang.launch_server --model-path path``
+and ``transformers.AutoModelForCausalLM.from_pretrained(path)`` both load, offline:
+
+- ``config.json``: a text-only ``Qwen3_5ForCausalLM`` (``model_type`` ``qwen3_5_text``) or
+  ``Qwen3_5MoeForCausalLM`` (``qwen3_5_moe_text``), written by transformers' own classes, with the
+  fields Qwen3.5's published ``text_config`` carries: ``layer_types`` three ``linear_attention``
+  to one ``full_attention`` and ``full_attention_interval`` 4 (SGLang reads the interval, transformers
+  the list), the attention output gate (``attn_output_gate``), partial rotary 0.25 in
+  ``rope_parameters`` (the dense spec with the published interleaved M-RoPE sections), float32
+  ``mamba_ssm_dtype``;
+- ``model.safetensors``: float32 weights from a fixed seed, the checkpoint's own names (``q_proj``
+  with each head's query and gate rows, ``linear_attn.in_proj_qkv/z/b/a``, ``conv1d``, ``A_log``,
+  ``dt_bias``, zero-centred RMSNorms);
+- the tiny harness tokenizer (``tiny_models.write_tokenizer``).
+
+Scaling as in ``tiny_models``: lm_head rows make greedy choices decisive, q/k are sharpened. The
+GDN decays are kept long (``exp(g)`` mostly 0.5-0.99 per token) so the recurrent state carries
+across chunks of 64 and from prefill into decode: a state lost between the two visibly moves the
+logprobs. Head counts fit ``--tp 4``: 4 query heads and 2 KV heads (replicated past 2 ranks), GDN
+key/value heads 4/8 (a power-of-two group, SGLang's fused CPU split), GDN head dims 64 (the real
+CPU chunk kernel supports 64 and 128).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from sglang_helix.testing.tiny_models import write_tokenizer
+
+ARCHS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+# Qwen3.5's published text_config: M-RoPE sections for a 64-dim rotary part (head dim 256 x 0.25).
+PUBLISHED_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25,
+    "mrope_interleaved": True,
+    "mrope_section": [11, 11, 10],
+}
+
+
+@dataclass(frozen=True)
+class Qwen35Spec:
+    arch: str = "qwen3_5"  # a key of ARCHS
+    num_layers: int = 8  # layer i is full attention when (i + 1) % 4 == 0
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 256
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 8
+    linear_head_dim: int = (
+        64  # key and value head dims (the real CPU kernel wants them equal)
+    )
+    intermediate_size: int = 256
+    vocab_size: int = 512
+    max_position_embeddings: int = 8192
+    mrope: bool = True  # the published interleaved M-RoPE sections (needs head_dim 256)
+    logit_scale: float = 4.0
+    attn_scale: float = 2.0
+    seed: int = 0
+    num_experts: int = 4  # MoE only
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 64
+    shared_expert_intermediate_size: int = 64
+
+
+DENSE = Qwen35Spec()
+MOE = Qwen35Spec(
+    arch="qwen3_5_moe", num_layers=4, head_dim=64, mrope=False, intermediate_size=64
+)
+
+
+def layer_types(spec: Qwen35Spec) -> list[str]:
+    return [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+        for i in range(spec.num_layers)
+    ]
+
+
+def _config(spec: Qwen35Spec):
+    import transformers
+
+    if spec.mrope:
+        assert (
+            spec.head_dim == 256
+        ), "the published M-RoPE sections fit a 64-dim rotary part"
+        rope = dict(PUBLISHED_ROPE)
+    else:
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+        }
+    fields = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=spec.linear_head_dim,
+        linear_value_head_dim=spec.linear_head_dim,
+        linear_num_key_heads=spec.linear_num_key_heads,
+        linear_num_value_heads=spec.linear_num_value_heads,
+        layer_types=layer_types(spec),
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if spec.arch == "qwen3_5_moe":
+        config = transformers.Qwen3_5MoeTextConfig(
+            **fields,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+        )
+    else:
+        config = transformers.Qwen3_5TextConfig(
+            **fields, intermediate_size=spec.intermediate_size
+        )
+    config.architectures = [ARCHS[spec.arch]]
+    return config
+
+
+def _init_weights(model, spec: Qwen35Spec) -> None:
+    import torch
+
+    hidden = spec.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(
+                "linear_attn.norm.weight"
+            ):  # the gated RMSNorm multiplies by w
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(
+                "norm.weight"
+            ):  # zero-centred RMSNorms multiply by 1 + w
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("A_log"):  # exp(A_log) in [0.02, 0.3]: long decays
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
+            elif name.endswith("dt_bias"):
+                p.normal_(-1.0, 0.5)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif "lm_head" in name:
+                p.normal_(0.0, spec.logit_scale * 4.0 / hidden**0.5)
+            elif "q_proj" in name or "k_proj" in name:
+                p.normal_(0.0, spec.attn_scale / hidden**0.5)
+            else:  # projections, conv1d ([dim, 1, 4]), router, experts ([E, out, in]), shared gate
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+
+
+def write_qwen3_5_model(path: str, spec: Qwen35Spec = DENSE) -> str:
+    """Write the model directory (idempotent for the same spec) and return ``path``."""
+    import torch
+    import transformers
+
+    assert spec.arch in ARCHS, spec.arch
+    stamp = os.path.join(path, "tiny_model_spec.json")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == asdict(spec):
+                return path
+    os.makedirs(path, exist_ok=True)
+    write_tokenizer(path, spec.vocab_size)
+    config = _config(spec)
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, ARCHS[spec.arch])(config).to(torch.float32)
+    _init_weights(model, spec)
+    model.save_pretrained(path, safe_serialization=True)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        os.remove(gen)
+    # Fields of the published text_config transformers does not keep: SGLang reads the interval
+    # (Qwen3NextConfig.layers_block_type), the output gate and the SSM state dtype.
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(
+        full_attention_interval=4,
+        attn_output_gate=True,
+        mamba_ssm_dtype="float32",
+        dtype="float32",
+    )
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    with open(stamp, "w") as f:
+        json.dump(asdict(spec), f)
+    return path
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        description="Write a tiny random-weight Qwen3.5 checkpoint."
+    )
+    p.add_argument("path")
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="Qwen3_5MoeForCausalLM (default: the dense one)",
+    )
+    args = p.parse_args()
+    print(write_qwen3_5_model(args.path, MOE if args.moe else DENSE))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""``sgl_kernel.mamba`` for the CPU harness: the three CPU wrappers SGLang's GDN backend imports.
+
+They are the real wheel's Python wrappers (``sgl_kernel/mamba.py`` of the wheel paired with sglang
+0.5.23), word for word in what they pass: each forwards to a ``torch.ops.sgl_kernel`` op, which the
+stub defines in torch (``qwen3_5_cpu_ops``). Every other name of the module (the CUDA
+``causal_conv1d_fwd`` / ``causal_conv1d_update``) is a loud ``StubKernel``.
+"""
+
+import torch
+from sgl_kernel import StubKernel
+
+
+def causal_conv1d_fn_cpu(
+    mixed_qkv_transposed,
+    conv_weights,
+    bias,
+    activation,
+    conv_states,
+    has_initial_state,
+    cache_indices,
+    query_start_loc,
+    seq_lens_cpu,
+):
+    return torch.ops.sgl_kernel.causal_conv1d_fwd_cpu(
+        mixed_qkv_transposed,
+        conv_weights,
+        bias,
+        conv_states,
+        query_start_loc,
+        cache_indices,
+        has_initial_state,
+        activation == "silu",
+        -1,
+        True,
+    )
+
+
+def causal_conv1d_update_cpu(
+    mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices
+):
+    return torch.ops.sgl_kernel.causal_conv1d_update_cpu(
+        mixed_qkv,
+        conv_states,
+        conv_weights,
+        bias,
+        activation == "silu",
+        None,
+        conv_state_indices,
+        -1,
+        True,
+    )
+
+
+def chunk_gated_delta_rule_cpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    cu_seqlens,
+    head_first,
+    use_qk_l2norm_in_kernel,
+    initial_state_indices,
+):
+    core_attn_out, last_recurrent_state = (
+        torch.ops.sgl_kernel.chunk_gated_delta_rule_cpu(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            True,  # output_final_state
+            cu_seqlens,
+            head_first,
+            use_qk_l2norm_in_kernel,
+            initial_state_indices,
+        )
+    )
+    h = None  # the real wrapper does not return the per-chunk states either
+    return core_attn_out, last_recurrent_state, h
+
+
+WRAPPERS = (
+    "causal_conv1d_fn_cpu",
+    "causal_conv1d_update_cpu",
+    "chunk_gated_delta_rule_cpu",
+)
+
+
+def __getattr__(name: str):
+    if name.startswith("__") and name.endswith("__"):
+        raise AttributeError(name)
+    return StubKernel(f"mamba.{name}")

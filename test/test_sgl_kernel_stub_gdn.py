@@ -1,0 +1,513 @@
+"""The stub's torch versions of the Qwen3.5 CPU ops (``sgl_kernel/qwen3_5_cpu_ops.py``) against
+independent references: float64 loops written here from the ops' contracts, and transformers' own
+torch implementations of the same steps (``transformers/models/qwen3_5/modeling_qwen3_5.py``:
+``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``, ``causal_conv1d_fn``,
+``causal_conv1d_update``, ``Qwen3_5RMSNorm``), on varlen batches with states gathered from a pool
+by index, written back in place, and the pad slot (-1) left alone.
+
+Layouts: SGLang's recurrent state pool is ``[slots, Hv, V, K]``; transformers' state is ``[...,
+K, V]`` (compared transposed). Tolerances: float32 ops against float64 references, 2e-5
+relative to the output scale unless stated.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_helix.testing.cpu_env import STUB_DIR, cpu_server_env
+
+os.environ.setdefault(
+    "HF_HUB_OFFLINE", "1"
+)  # transformers' kernel-hub fallbacks: torch only
+if STUB_DIR not in sys.path:
+    sys.path.insert(0, STUB_DIR)
+
+import sgl_kernel  # noqa: E402
+from sgl_kernel import mamba, qwen3_5_cpu_ops  # noqa: E402
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf  # noqa: E402
+
+OPS = torch.ops.sgl_kernel
+I32 = torch.int32
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _close(got, want, rel=2e-5, what=""):
+    got, want = got.double(), want.double()
+    scale = want.abs().max().clamp_min(1.0)
+    err = (got - want).abs().max() / scale
+    assert err <= rel, f"{what}: max error {err:.3g} (relative to {scale:.3g}) > {rel}"
+
+
+# -- registration -----------------------------------------------------------------------------------
+def test_ops_are_defined_under_torch_ops_sgl_kernel():
+    for name in qwen3_5_cpu_ops.OPS:
+        op = getattr(OPS, name)
+        assert str(op.default._schema).startswith(f"sgl_kernel::{name}("), name
+    # Feature probes stay unanswered: the engine must not take its AMX paths.
+    for probe in (
+        "convert_weight_packed",
+        "fused_qk_norm_rope_cpu",
+        "fused_qk_norm_cpu",
+        "fused_rmsnorm_gated_cpu",
+    ):
+        assert not hasattr(OPS, probe), probe
+    for name in mamba.WRAPPERS:
+        assert callable(getattr(mamba, name)) and not isinstance(
+            getattr(mamba, name), sgl_kernel.StubKernel
+        )
+    with pytest.raises(sgl_kernel.SglKernelStubCalled):
+        mamba.causal_conv1d_fwd(torch.zeros(1))  # the CUDA op stays a loud stub
+
+
+SGLANG_BINDS = r"""
+import torch
+from sglang.srt.utils import cpu_has_amx_support
+import sglang.srt.models.qwen3_5 as m
+import sglang.srt.layers.attention.linear.gdn_backend as b
+import sglang.srt.layers.attention.linear.kernels.gdn_triton as t
+assert not cpu_has_amx_support()
+assert m.fused_qk_gemma_rmsnorm is torch.ops.sgl_kernel.fused_qk_gemma_rmsnorm_cpu
+assert b.fused_gdn_gating is torch.ops.sgl_kernel.fused_gdn_gating_cpu
+assert b.causal_conv1d_fn.__module__ == "sgl_kernel.mamba" and t.chunk_gated_delta_rule.__module__ == "sgl_kernel.mamba"
+print("ok")
+"""
+
+
+def test_sglang_binds_the_stub_ops_in_a_server_environment():
+    """What a server rank imports: the Qwen3.5 model and GDN backend modules bind these ops."""
+    env = cpu_server_env(1)
+    r = subprocess.run(
+        [sys.executable, "-c", SGLANG_BINDS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+# -- the attention output gate and the q/k norms ----------------------------------------------------
+def test_fused_sigmoid_mul_cpu_is_in_place():
+    g = _gen(0)
+    x, gate = torch.randn(5, 24, generator=g), torch.randn(5, 24, generator=g)
+    want = x.double() * torch.sigmoid(gate.double())
+    got = x.clone()
+    assert OPS.fused_sigmoid_mul_cpu(got, gate) is None
+    _close(got, want, what="2-D gate")
+    got3 = x.clone()
+    OPS.fused_sigmoid_mul_cpu(got3, gate.view(5, 3, 8))  # [T, H, D] against [T, H * D]
+    assert torch.equal(got3, got)
+
+
+def _hf_rmsnorm(x, weight, eps):
+    norm = hf.Qwen3_5RMSNorm(x.shape[-1], eps=eps)
+    norm.weight.data.copy_(weight)
+    return norm(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qk_gemma_rmsnorm_cpu(dtype):
+    g = _gen(1)
+    T, Hq, Hk, D, eps = 6, 4, 2, 32, 1e-6
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(
+        dtype
+    )  # q and k are strided views
+    q, k = qkv[:, : Hq * D], qkv[:, Hq * D : (Hq + Hk) * D]
+    qw, kw = (0.1 * torch.randn(D, generator=g)).to(dtype), (
+        0.1 * torch.randn(D, generator=g)
+    ).to(dtype)
+    qn, kn = OPS.fused_qk_gemma_rmsnorm_cpu(q, k, qw, kw, eps, D)
+    assert qn.shape == q.shape and kn.shape == k.shape and qn.dtype == dtype
+    rel = 2e-5 if dtype == torch.float32 else 1e-2
+    _close(
+        qn, _hf_rmsnorm(q.float().view(T, Hq, D), qw.float(), eps).view(T, -1), rel, "q"
+    )
+    _close(
+        kn, _hf_rmsnorm(k.float().view(T, Hk, D), kw.float(), eps).view(T, -1), rel, "k"
+    )
+
+
+def test_fused_qk_gemma_rmsnorm_with_gate_cpu_splits_like_the_checkpoint():
+    """q_proj's rows are [q_h, gate_h] per head: transformers' chunk of view(T, H, 2D)."""
+    g = _gen(2)
+    T, H, Hk, D, eps = 5, 4, 2, 32, 1e-6
+    q_gate, k = torch.randn(T, H * 2 * D, generator=g), torch.randn(
+        T, Hk * D, generator=g
+    )
+    qw, kw = 0.1 * torch.randn(D, generator=g), 0.1 * torch.randn(D, generator=g)
+    q_out, k_out, gate_out = OPS.fused_qk_gemma_rmsnorm_with_gate_cpu(
+        q_gate, k, qw, kw, eps, D, H
+    )
+    q_ref, gate_ref = torch.chunk(q_gate.view(T, H, 2 * D), 2, dim=-1)
+    assert q_out.shape == gate_out.shape == (T * H, D) and k_out.shape == (T * Hk, D)
+    _close(q_out, _hf_rmsnorm(q_ref, qw, eps).reshape(-1, D), what="q")
+    _close(k_out, _hf_rmsnorm(k.view(T, Hk, D), kw, eps).reshape(-1, D), what="k")
+    assert torch.equal(gate_out, gate_ref.reshape(-1, D))  # the gate is not normalized
+
+
+# -- the GDN input split and gates ------------------------------------------------------------------
+def test_fused_qkvzba_split_reshape_cat_contiguous_cpu():
+    g = _gen(3)
+    T, Hk, Hv, Dk, Dv = 3, 2, 4, 32, 32
+    qkvz = torch.randn(T, 2 * Hk * Dk + 2 * Hv * Dv, generator=g)
+    ba = torch.randn(T, 2 * Hv, generator=g)
+    mixed_qkv, z, b, a = OPS.fused_qkvzba_split_reshape_cat_contiguous_cpu(
+        qkvz, ba, Hk, Hv, Dk, Dv
+    )
+    q_, k_, v_, z_ = qkvz.split([Hk * Dk, Hk * Dk, Hv * Dv, Hv * Dv], dim=-1)
+    assert torch.equal(mixed_qkv, torch.cat([q_, k_, v_], -1))
+    assert (
+        torch.equal(z, z_.view(T, Hv, Dv))
+        and torch.equal(b, ba[:, :Hv])
+        and torch.equal(a, ba[:, Hv:])
+    )
+    with pytest.raises(RuntimeError, match="power-of-two"):
+        OPS.fused_qkvzba_split_reshape_cat_contiguous_cpu(
+            torch.randn(T, 2 * 32 + 6 * 32), torch.randn(T, 6), 1, 3, 32, 32
+        )
+
+
+def test_fused_gdn_gating_cpu():
+    g = _gen(4)
+    B, H = 7, 8
+    A_log = torch.randn(H, generator=g)
+    a, b, dt_bias = (
+        torch.randn(B, H, generator=g) * 3,
+        torch.randn(B, H, generator=g),
+        torch.randn(H, generator=g),
+    )
+    a[0, 0] = 40.0  # the softplus threshold branch
+    gate, beta = OPS.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    assert (
+        gate.shape == beta.shape == (1, B, H)
+        and gate.dtype == torch.float32
+        and beta.dtype == b.dtype
+    )
+    want_g = -A_log.double().exp() * F.softplus(
+        a.double() + dt_bias.double()
+    )  # transformers' formula
+    _close(gate[0], want_g, what="g")
+    _close(beta[0], torch.sigmoid(b.double()), what="beta")
+    assert (
+        OPS.fused_gdn_gating_cpu(A_log, a.bfloat16(), b.bfloat16(), dt_bias.bfloat16())[
+            1
+        ].dtype
+        == torch.bfloat16
+    )
+
+
+# -- causal conv1d ----------------------------------------------------------------------------------
+def _ref_conv(window, xs, w, bias):
+    """float64: out[:, t] = silu(sum_j w[:, j] * cat(window, xs)[:, t + j] + bias)."""
+    full = torch.cat([window.double(), xs.double()], 1)
+    W = w.shape[1]
+    out = torch.stack(
+        [(full[:, t : t + W] * w.double()).sum(1) for t in range(xs.shape[1])], 1
+    )
+    return F.silu(out + bias.double()[:, None])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_fwd_cpu_varlen_with_states(state_dtype):
+    g = _gen(5)
+    dim, W = 32, 4
+    lens = [5, 2, 9, 3]  # the 2-token one shifts its initial state
+    slots = [3, 0, -1, 5]  # -1: the pad slot, skipped
+    initial = [True, True, False, False]
+    w, bias = torch.randn(dim, W, generator=g), torch.randn(dim, generator=g)
+    x = torch.randn(
+        sum(lens), dim, generator=g
+    ).t()  # [dim, T], a transposed view as the backend passes it
+    pool = torch.randn(7, dim, W - 1, generator=g).to(state_dtype)
+    before = pool.clone()
+    qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=I32)
+    out = mamba.causal_conv1d_fn_cpu(
+        x,
+        w,
+        bias,
+        "silu",
+        pool,
+        torch.tensor(initial),
+        torch.tensor(slots, dtype=I32),
+        qsl,
+        lens,
+    )
+    assert out.shape == x.shape and out.dtype == x.dtype
+    for i, (s, e) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist())):
+        xs = x[:, s:e]
+        if slots[i] < 0:
+            assert (out[:, s:e] == 0).all()
+            continue
+        window = (
+            before[slots[i]].double()
+            if initial[i]
+            else torch.zeros(dim, W - 1, dtype=torch.float64)
+        )
+        _close(out[:, s:e], _ref_conv(window, xs, w, bias), what=f"seq {i} output")
+        want_state = torch.cat([window, xs.double()], 1)[:, -(W - 1) :].to(state_dtype)
+        assert torch.equal(pool[slots[i]], want_state), f"seq {i} state"
+        if not initial[i]:  # transformers' own conv (no cache) for a fresh sequence
+            hf_out = hf.causal_conv1d_fn(xs[None], w, bias, activation="silu")[0]
+            _close(out[:, s:e], hf_out, what=f"seq {i} vs transformers")
+    untouched = [j for j in range(7) if j not in slots]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_causal_conv1d_update_cpu_decode_rows():
+    g = _gen(6)
+    dim, W, B = 32, 4, 4
+    w, bias = torch.randn(dim, W, generator=g), torch.randn(dim, generator=g)
+    x = torch.randn(B, dim, generator=g)
+    pool = torch.randn(6, dim, W - 1, generator=g)
+    before = pool.clone()
+    slots = torch.tensor([4, 1, -1, 2], dtype=I32)
+    out = mamba.causal_conv1d_update_cpu(x, pool, w, bias, "silu", slots)
+    assert out.shape == x.shape
+    for b, s in enumerate(slots.tolist()):
+        if s < 0:
+            assert (out[b] == 0).all()
+            continue
+        _close(
+            out[b],
+            _ref_conv(before[s], x[b : b + 1].t(), w, bias)[:, 0],
+            what=f"row {b}",
+        )
+        state = before[
+            s : s + 1
+        ].clone()  # transformers updates its conv state in place too
+        hf_out = hf.causal_conv1d_update(
+            x[b : b + 1, :, None], state, w, bias, activation="silu"
+        )
+        _close(out[b], hf_out[0, :, 0], what=f"row {b} vs transformers")
+        assert torch.equal(pool[s], state[0])
+    assert torch.equal(pool[[0, 3, 5]], before[[0, 3, 5]])
+    with pytest.raises(RuntimeError, match="int32"):
+        mamba.causal_conv1d_update_cpu(x, pool, w, bias, "silu", slots.long())
+
+
+# -- the gated delta rule ---------------------------------------------------------------------------
+def _ref_delta_rule(q, k, v, g, beta, h, scale):
+    """float64, token by token, SGLang's state layout h [Hv, V, K]; q/k [T, H, K] already
+    L2-normalized, v [T, Hv, V], g/beta [T, Hv]."""
+    rep = v.shape[1] // q.shape[1]
+    q, k, v, g, beta, h = (t.double() for t in (q, k, v, g, beta, h))
+    outs = []
+    for t in range(q.shape[0]):
+        qt, kt = q[t].repeat_interleave(rep, 0) * scale, k[t].repeat_interleave(
+            rep, 0
+        )  # [Hv, K]
+        h = h * g[t].exp()[:, None, None]
+        u = beta[t][:, None] * (v[t] - (h * kt[:, None, :]).sum(-1))  # [Hv, V]
+        h = h + u[:, :, None] * kt[:, None, :]
+        outs.append((h * qt[:, None, :]).sum(-1))
+    return torch.stack(outs), h
+
+
+def _l2n(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _gdn_inputs(seed, T, H=2, Hv=4, D=32):
+    g = _gen(seed)
+    q, k = torch.randn(1, T, H, D, generator=g), torch.randn(1, T, H, D, generator=g)
+    v = torch.randn(1, T, Hv, D, generator=g)
+    gate = -0.3 * torch.rand(
+        1, T, Hv, generator=g
+    )  # decays exp(g) in [0.74, 1]: state carries far
+    beta = torch.rand(1, T, Hv, generator=g)
+    return q, k, v, gate, beta
+
+
+def test_chunk_gated_delta_rule_cpu_varlen_pool():
+    lens = [1, 70, 130, 5]  # across chunk boundaries at 64 and 128
+    slots = [
+        4,
+        0,
+        2,
+        -1,
+    ]  # gathered out of order; -1 starts from zeros and is not written
+    T, Hv, D = sum(lens), 4, 32
+    q, k, v, gate, beta = _gdn_inputs(7, T)
+    pool = torch.randn(6, Hv, D, D, generator=_gen(8)) * 0.1
+    before = pool.clone()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=I32)
+    o, final, h = mamba.chunk_gated_delta_rule_cpu(
+        q, k, v, gate, beta, pool, cu, False, True, torch.tensor(slots, dtype=I32)
+    )
+    assert o.shape == v.shape and o.dtype == q.dtype and final is pool and h is None
+    for i, slot in enumerate(slots):
+        s, e = cu[i].item(), cu[i + 1].item()
+        h0 = before[slot] if slot >= 0 else torch.zeros(Hv, D, D)
+        want_o, want_h = _ref_delta_rule(
+            _l2n(q[0, s:e]),
+            _l2n(k[0, s:e]),
+            v[0, s:e],
+            gate[0, s:e],
+            beta[0, s:e],
+            h0,
+            D**-0.5,
+        )
+        _close(o[0, s:e], want_o, what=f"seq {i} output")
+        if slot >= 0:
+            _close(pool[slot], want_h, what=f"seq {i} state")
+        # transformers' chunked and token-by-token versions, state [K, V]
+        for fn in (
+            hf.torch_chunk_gated_delta_rule,
+            hf.torch_recurrent_gated_delta_rule,
+        ):
+            rep = Hv // q.shape[2]
+            hf_o, hf_h = fn(
+                q[:, s:e].repeat_interleave(rep, 2),
+                k[:, s:e].repeat_interleave(rep, 2),
+                v[:, s:e],
+                g=gate[:, s:e],
+                beta=beta[:, s:e],
+                initial_state=h0.transpose(-1, -2)[None],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            _close(o[0, s:e], hf_o[0], what=f"seq {i} vs transformers {fn.__name__}")
+            if slot >= 0:
+                _close(
+                    pool[slot],
+                    hf_h[0].transpose(-1, -2),
+                    what=f"seq {i} state vs {fn.__name__}",
+                )
+    assert torch.equal(pool[[1, 3, 5]], before[[1, 3, 5]])
+
+
+def test_chunk_gated_delta_rule_cpu_rejects_what_the_real_op_rejects():
+    q, k, v, gate, beta = _gdn_inputs(9, 4)
+    pool, cu, idx = (
+        torch.zeros(2, 4, 32, 32),
+        torch.tensor([0, 4], dtype=I32),
+        torch.tensor([0], dtype=I32),
+    )
+    args = (q, k, v, gate, beta, pool, True, cu, False, True, idx)
+    OPS.chunk_gated_delta_rule_cpu(*args)
+    for i, bad, match in [
+        (5, pool.bfloat16(), "float32"),
+        (10, idx.long(), "int32"),
+        (8, True, "head_first"),
+        (3, gate.bfloat16(), "float32"),
+        (7, cu.long(), "int32"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            OPS.chunk_gated_delta_rule_cpu(*args[:i], bad, *args[i + 1 :])
+
+
+def _decode_gates(seed, B, Hv):
+    g = _gen(seed)
+    A_log = torch.rand(Hv, generator=g).mul(0.3).add(0.02).log()
+    return (
+        A_log,
+        torch.randn(B, Hv, generator=g),
+        torch.randn(B, Hv, generator=g),
+        torch.randn(Hv, generator=g) - 1,
+    )
+
+
+def test_fused_sigmoid_gating_delta_rule_update_cpu_decode_batch():
+    B, H, Hv, D = 4, 2, 4, 32
+    q, k, v, _, _ = _gdn_inputs(10, B)
+    A_log, a, b, dt_bias = _decode_gates(11, B, Hv)
+    pool = torch.randn(6, Hv, D, D, generator=_gen(12)) * 0.1
+    before = pool.clone()
+    slots = torch.tensor([5, -1, 1, 3], dtype=I32)
+    cu = torch.arange(B + 1, dtype=I32)
+    o = OPS.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log, dt_bias, q, k, v, a, b, pool, slots, cu, True
+    )
+    assert o.shape == (B, 1, Hv, D)
+    gate = -A_log.double().exp() * F.softplus(a.double() + dt_bias.double())
+    beta = torch.sigmoid(b.double())
+    for i, slot in enumerate(slots.tolist()):
+        h0 = before[slot] if slot >= 0 else torch.zeros(Hv, D, D)
+        want_o, want_h = _ref_delta_rule(
+            _l2n(q[0, i : i + 1]),
+            _l2n(k[0, i : i + 1]),
+            v[0, i : i + 1],
+            gate[i : i + 1],
+            beta[i : i + 1],
+            h0,
+            D**-0.5,
+        )
+        _close(o[i], want_o, what=f"row {i}")
+        if slot >= 0:
+            _close(pool[slot], want_h, what=f"row {i} state")
+        rep = Hv // H
+        hf_o, hf_h = hf.torch_recurrent_gated_delta_rule(
+            q[:, i : i + 1].repeat_interleave(rep, 2),
+            k[:, i : i + 1].repeat_interleave(rep, 2),
+            v[:, i : i + 1],
+            g=gate[None, i : i + 1].float(),
+            beta=beta[None, i : i + 1].float(),
+            initial_state=h0.transpose(-1, -2)[None],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        _close(o[i], hf_o[0], what=f"row {i} vs transformers")
+    assert torch.equal(pool[[0, 2, 4]], before[[0, 2, 4]])
+
+
+def test_prefill_then_decode_steps_equal_one_prefill():
+    """A prefill of n tokens, then decode steps token by token from the pool, give what one prefill
+    of all the tokens gives: the state crosses from the chunk op to the decode op intact.
+    """
+    n, extra, H, Hv, D = 67, 3, 2, 4, 32
+    q, k, v, _, _ = _gdn_inputs(13, n + extra)
+    A_log, a, b, dt_bias = _decode_gates(14, n + extra, Hv)
+    gate, beta = OPS.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    whole = torch.zeros(2, Hv, D, D)
+    o_all, _ = OPS.chunk_gated_delta_rule_cpu(
+        q,
+        k,
+        v,
+        gate,
+        beta,
+        whole,
+        True,
+        torch.tensor([0, n + extra], dtype=I32),
+        False,
+        True,
+        torch.tensor([1], dtype=I32),
+    )
+    pool = torch.zeros(2, Hv, D, D)
+    o_pre, _ = OPS.chunk_gated_delta_rule_cpu(
+        q[:, :n],
+        k[:, :n],
+        v[:, :n],
+        gate[:, :n],
+        beta[:, :n],
+        pool,
+        True,
+        torch.tensor([0, n], dtype=I32),
+        False,
+        True,
+        torch.tensor([1], dtype=I32),
+    )
+    _close(o_pre, o_all[:, :n], what="prefill")
+    for t in range(n, n + extra):
+        sl = slice(t, t + 1)
+        o_t = OPS.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log,
+            dt_bias,
+            q[:, sl],
+            k[:, sl],
+            v[:, sl],
+            a[sl],
+            b[sl],
+            pool,
+            torch.tensor([1], dtype=I32),
+            torch.tensor([0, 1], dtype=I32),
+            True,
+        )
+        _close(o_t[0, 0], o_all[0, t], what=f"decode step {t}")
+    _close(pool[1], whole[1], what="final state")
