@@ -10,6 +10,8 @@ batch-dependent split extent are what an H100 server launches), at the per-rank 
 - Llama-3.1-70B (64 query / 8 KV heads, head dim 128) at TPA 2 and 4;
 - Qwen3-235B-A22B (64 / 4, head dim 128) at TPA 2 and 4;
 - a head-dim-64 GQA model (Llama-3.2-1B: 32 / 8, head dim 64) at TPA 2;
+- Qwen3.5's full-attention layers (head dim 256): 397B-A17B (32 / 2) at TPA 2 and 1, 35B-A3B
+  (16 / 2) at TPA 2;
 - the e2e suites' tiny Llamas (8 query heads, 4/2 KV heads (1 KV head gives q8k2/tpa2's shape), head dim 16) at TPA 2 and 4 (their
   layouts' per-rank shapes: the e2e servers run interpreted in other processes, which the
   recorder does not see);
@@ -42,6 +44,9 @@ SHAPES = [
     ("qwen3-235b/tpa2", 32, 2, 128),
     ("qwen3-235b/tpa4", 16, 1, 128),
     ("llama-3.2-1b/tpa2", 16, 4, 64),
+    ("qwen3.5-397b-a17b/tpa2", 16, 1, 256),  # full-attention layers: 32 / 2 heads, head dim 256
+    ("qwen3.5-397b-a17b/tpa1", 32, 2, 256),
+    ("qwen3.5-35b-a3b/tpa2", 8, 1, 256),  # 16 / 2, head dim 256
     ("tiny-q8k4/tpa2", 4, 2, 16),
     ("tiny-q8k4/tpa4", 2, 1, 16),
     ("tiny-q8k2/tpa2", 4, 1, 16),
