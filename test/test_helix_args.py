@@ -1204,3 +1204,72 @@ def test_the_helix_spelling_on_an_mla_model_is_refused(tmp_path):
             f"--helix-kvp-size 2 is DCP's GQA mode, but --model-path {tmp_path} is MLA. Use --dcp-size 2 "
             "--dcp-replicate-q-proj (upstream DCP's replicated Q for MLA), or use --helix-kvp-size 1."
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen3.5: a hybrid model (Gated DeltaNet + gated full attention) opts in (test_helix_qwen3_5.py serves it)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """``qwen3_5(arch)``: the tiny Qwen3.5 checkpoints of ``qwen3_5_models`` (dense, MoE)."""
+    from sglang_helix.testing.qwen3_5_models import DENSE, MOE, write_qwen3_5_model
+
+    root = tmp_path_factory.mktemp("helix-args-qwen3_5")
+    specs = {"qwen3_5": DENSE, "qwen3_5_moe": MOE}
+    return lambda arch="qwen3_5": write_qwen3_5_model(str(root / arch), specs[arch])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("args", [["--helix-kvp-size", "2"], ["--dcp-size", "4", "--dcp-replicate-q-proj"]])
+def test_qwen3_5_is_accepted(qwen3_5, arch, args):
+    """Qwen3.5 dense and MoE (2 KV heads) resolve into the mode in both spellings (on the CPU engine
+    with the radix cache off: see the next test)."""
+    cfg = view(resolve(qwen3_5(arch), ["--tp", "4", *args, "--disable-radix-cache"]))
+    assert gqa_mode(cfg) and cfg.dcp_size == int(args[1]) and cfg.dcp_comm_backend == "a2a"
+
+
+def test_qwen3_5_radix_cache_without_extra_buffer_is_refused_in_one_line(qwen3_5):
+    """The radix cache of Qwen3.5's linear-attention states keeps pages of more than one token only
+    with its extra buffer, which the CPU platform lacks (upstream asserts at start otherwise)."""
+    path = qwen3_5()
+    message = helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"])
+    assert message == (
+        "--helix-kvp-size 2 keeps KV in pages of --helix-kvp-chunk-size 64 x --helix-kvp-size 2 = 128 tokens, "
+        f"but the radix cache of {path}'s linear-attention states takes pages of more than one token only with "
+        "its extra buffer, not on --device cpu. Pass --disable-radix-cache (on a GPU: --mamba-radix-cache-strategy "
+        "extra_buffer), or use --helix-kvp-size 1."
+    ), message
+    message = helix_error(path, ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "1",
+                                 "--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"])  # fmt: skip
+    assert "= 2 tokens" in message and "not on --mamba-radix-cache-strategy no_buffer." in message, message
+
+
+@pytest.mark.parametrize("args,what,given,fix", [
+    (["--speculative-algorithm", "NEXTN"], "speculative decoding of a hybrid linear-attention model yet",
+     "--speculative-algorithm EAGLE", "Drop --speculative-algorithm"),  # NEXTN is upstream's alias of EAGLE
+    (["--disaggregation-mode", "decode"],
+     "a prefill/decode disaggregation decode server for a hybrid linear-attention model yet",
+     "--disaggregation-mode decode", "Serve it without --disaggregation-mode"),
+], ids=["mtp", "pd-decode"])  # fmt: skip
+def test_qwen3_5_speculation_and_pd_are_refused_in_one_line(qwen3_5, args, what, given, fix):
+    """Qwen3.5's MTP draft and a Qwen3.5 PD decode server are not served in the mode yet."""
+    path = qwen3_5()
+    spec = ["--speculative-draft-model-path", path] if "NEXTN" in args else []
+    message = helix_error(path, ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache", *args, *spec])
+    assert message == _unsupported(what, given, fix), message
+
+
+def test_qwen3_next_is_refused_in_one_line(tmp_path):
+    """Qwen3-Next has its own attention module (no DCP upstream): not opted in (config only)."""
+    from transformers import Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    config.architectures = ["Qwen3NextForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    message = helix_error(str(tmp_path), ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache"])
+    assert f"but --model-path {tmp_path} is Qwen3NextForCausalLM. Serve a supported model" in message, message
+    assert "\n" not in message

@@ -141,6 +141,14 @@ def handle_helix_parallelism(server_args: Any) -> None:  # idempotent
         off = with_phase(graphs, Phase.PREFILL, backend=Backend.DISABLED)
         declare_resolution(server_args, HOOK, cuda_graph_config=off)
     _resolve_kv_page(server_args, cfg)
+    _check_linear_attention_cache(cfg)
+
+
+def hybrid(cfg: Any) -> bool:
+    """The model has linear-attention or SSM layers (Qwen3.5's Gated DeltaNet) with their states."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    return mambaish_config(model_config_of(cfg)) is not None
 
 
 def helix_architectures(drafts: bool = False) -> list:
@@ -210,6 +218,38 @@ def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
         msg = f"Helix parallelism: --chunked-prefill-size {old} -> {new}, a multiple of the {what}: {why}."
         logger.info(msg)
         declare_resolution(server_args, HOOK, chunked_prefill_size=new)
+
+
+def _check_linear_attention_cache(cfg: Any) -> None:
+    """A hybrid model's radix cache (Qwen3.5's linear-attention states) holds KV pages of more
+    than one token only with upstream's extra buffer, which not every platform has."""
+    from sglang.srt.arg_groups.mamba_hook import (
+        _platform_supports_mamba_cache_extra_buffer as platform_has_extra_buffer,
+    )
+    from sglang.srt.arg_groups.overrides import _mamba_radix_cache_resolution
+
+    resolved, given = _mamba_radix_cache_resolution(cfg), cfg.mamba_radix_cache_strategy
+    strategy = resolved.get("mamba_radix_cache_strategy", given)  # ({}: no such cache)
+    if not resolved or (
+        strategy.startswith("extra_buffer") and platform_has_extra_buffer()
+    ):
+        return
+    (mode, size, chunk_flag, _), (kvp, chunk) = spelling(cfg), (
+        cfg.dcp_size,
+        cfg.dcp_interleave_size,
+    )
+    why = (
+        f"--device {cfg.device}"
+        if given == "auto"
+        else f"--mamba-radix-cache-strategy {given}"
+    )
+    pages = f"{chunk_flag} {chunk} x {size} {kvp} = {chunk * kvp} tokens"
+    problem = f"{mode} keeps KV in pages of {pages}, but the radix cache of {cfg.model_path}'s linear-attention states takes pages of more than one token only with its extra buffer, not on {why}"
+    fail(
+        cfg,
+        problem,
+        "Pass --disable-radix-cache (on a GPU: --mamba-radix-cache-strategy extra_buffer)",
+    )
 
 
 def check_unsupported_flags(cfg: Any, features: dict = UNSUPPORTED) -> None:
