@@ -279,9 +279,9 @@ def long_ids_completion(base_url: str):
 @FULL
 def test_a_long_prompt_in_head_sub_slices(model_dir, server_log_dir):
     """A 6000-token prompt from a --tp 1 prefill into --tp 4 --helix-kvp-size 2: each decode rank
-    takes half of every token's heads, packed on the prefill into its staging and sent a block per
-    run of decode pages (a block per token, 12K a rank, before issue 47): the colocated server's
-    tokens."""
+    takes half of every token's heads (a strided row of the prefill's pool; the CPU engine has no
+    DCP pack buffer, so a block per token, in batches the TCP transport queues): the colocated
+    server's tokens."""
     path = model_dir(GQA)
     ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, long_ids_completion)
     decode_args = ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", str(CHUNK)]
