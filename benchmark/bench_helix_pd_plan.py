@@ -1,15 +1,17 @@
 """The PD transfer plan into a Helix decode server at deployment shapes, before and after the
-transfer went to pages (issue 47). No tensors of that size: the plan's real code path
-(``build_dcp_token_transfer_plan`` and ``dcp_gqa.head_slice_plan``) over pointers, on the CPU.
+transfer went to pages (issue 47). No tensors of that size: the send's real code path (upstream's
+``MooncakeKVManager.send_kvcache_dcp`` with ``dcp_gqa.head_slice_rows``, issue 69) over pointers,
+on the CPU: an engine that counts what ``batch_transfer_sync`` gets, and upstream's DCP pack
+(``try_pack_dcp_src``, which a GPU prefill runs for every DCP decode) over pointers (``dry_pack``).
 
     .venv/bin/python benchmark/bench_helix_pd_plan.py --json benchmark/results/pd-plan.json
 
 For each model shape, context and layout (prefill ``--tp P`` -> decode ``--tp N --helix-kvp-size
 KVP``; a layout whose TPA = N / KVP exceeds the model's KV heads is not served and skipped), for
 decode rank 0 (every decode rank has the same counts, up to its last page): the blocks its prefill
-ranks send, the bytes they send together against the decode rank's KV bytes, and the host time of
-the plan and of the lists ``batch_transfer_sync`` takes (per prefill rank, the most of them: they
-plan in parallel; the best of ``--repeat`` runs), the prompt sent in chunks of
+ranks send, the bytes they send together against the decode rank's KV bytes, the most bytes one
+send packs, and the host time of the send up to the lists ``batch_transfer_sync`` takes (per prefill
+rank, the most of them: they plan in parallel; the best of ``--repeat`` runs), the prompt sent in chunks of
 ``--chunk`` tokens and the decode's pages taken in a random order (a pool in use: no two pages
 adjacent by luck). ``before`` is the plan this replaced (a block per token and K/V entry for a
 partial head slice, replicas each sending everything), kept below verbatim; at long contexts it is
@@ -30,6 +32,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
+
+sys.path.insert(0, STUB_DIR)  # before sglang: the CPU engine's sgl_kernel
 
 MODELS = {  # layers, KV heads, head dim (bf16)
     "llama-3.1-70b": (80, 8, 128),
@@ -40,7 +45,8 @@ LAYOUTS = [(8, 8, 2), (8, 16, 4), (4, 8, 2), (16, 16, 2), (2, 8, 2)]  # (P, N, K
 
 
 def _before_blocks(src_ptrs, dst_ptrs, src_token_bytes, dst_token_bytes, slices, src_tokens, dst_tokens):
-    """``dcp_gqa.transfer_blocks`` before issue 47 (commit 24c4409), verbatim but for black."""
+    """``dcp_gqa.transfer_blocks`` before issue 47 (commit 24c4409), verbatim but for black; a slice
+    has ``src_offset``, ``dst_offset``, ``copy_bytes``."""
     src_tokens, dst_tokens = np.asarray(src_tokens, np.int64), np.asarray(dst_tokens, np.int64)
     if src_tokens.size == 0:
         return []
@@ -72,10 +78,36 @@ def _prefill_token_bytes(P: int, K: int, head_bytes: int) -> int:
     return (K // P if P <= K else 1) * head_bytes  # one replicated head where P > K
 
 
+def _cut(P: int, r: int, tpa: int, head_rank: int, K: int, head_bytes: int):
+    """What prefill rank ``r`` gives of a decode token (the byte ranges ``compute_head_slice_params`` names)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params
+
+    src_start, heads, dst_start, _ = compute_head_slice_params(P, tpa, r, head_rank, K)
+    return SimpleNamespace(src_offset=src_start * head_bytes, dst_offset=dst_start * head_bytes,
+                           copy_bytes=heads * head_bytes)  # fmt: skip
+
+
+def _counting_rank(rank: int, P: int, K: int, ptrs, item_lens, page: int):
+    """A ``PrefillRank`` whose engine only counts blocks and bytes (a real one takes the lists)."""
+    from sglang_helix.testing.pd_send import PrefillRank
+
+    class Counting(PrefillRank):
+        blocks = sent = 0
+
+        def batch_transfer_sync(self, session, src, dst, lengths) -> int:
+            self.blocks += len(lengths)
+            self.sent += sum(lengths)
+            return 0
+
+    return Counting(rank, P, K, ptrs, item_lens, page)
+
+
 def measure(model: str, context: int, P: int, N: int, KVP: int, *, page: int, chunk: int, d: int = 0,
-            before_budget: int = 4_000_000, staging: Optional[int] = None, repeat: int = 1) -> Optional[dict]:  # fmt: skip
-    from sglang.srt.disaggregation.common import dcp_gqa
+            before_budget: int = 4_000_000, repeat: int = 1) -> Optional[dict]:  # fmt: skip
     from sglang.srt.disaggregation.common.utils import build_dcp_token_transfer_plan
+    from sglang_helix.testing.pd_send import decode_reads, dry_pack
 
     layers, K, head_dim = MODELS[model]
     tpa = N // KVP
@@ -89,9 +121,7 @@ def measure(model: str, context: int, P: int, N: int, KVP: int, *, page: int, ch
     dst_pages = rng.permutation(-(-context // (page * KVP))).astype(np.int64)
     src_ptrs = [(1 << 44) + e * (1 << 36) for e in range(entries)]
     dst_ptrs = [(2 << 44) + e * (1 << 36) for e in range(entries)]
-    ranks = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P).tp_ranks
-    batch = dcp_gqa.transfer_batch_blocks()
-    head_rank, head_tp = dcp_gqa.decode_head_rank(d, N, KVP)
+    ranks = decode_reads(d, N, KVP, P)[0]
     owned = sum(min(page, max(0, context - q)) for q in range((d % KVP) * page, context, page * KVP))
     before_entries = max(1, min(entries, before_budget // max(1, owned)))
     row = {"model": model, "context": context, "P": P, "N": N, "KVP": KVP, "decode_rank": d,
@@ -100,44 +130,39 @@ def measure(model: str, context: int, P: int, N: int, KVP: int, *, page: int, ch
     for name in ("before", "after") * repeat:
         blocks = sent = 0
         host = []
-        staged = 0
+        packed = []
         for r in ranks:
             t = 0.0
+            rank = _counting_rank(r, P, K, src_ptrs, src_item, page)
             for start in range(0, context, chunk):
                 n = min(chunk, context - start)
+                src = src_pages[start // page : -(-(start + n) // page)]
                 t0 = time.perf_counter()
-                plan = build_dcp_token_transfer_plan(
-                    src_pages[start // page : -(-(start + n) // page)], dst_pages, physical_page_size=page,
-                    dcp_size=KVP, dcp_rank=d % KVP, src_page_offset=start // page, num_kv_tokens=n,
-                    interleave_size=page,
-                )  # fmt: skip
                 if name == "after":
-                    send = dcp_gqa.head_slice_plan(
-                        src_ptrs, src_item, dst_ptrs, dst_item, page, plan.target_src_token_indices,
-                        plan.target_dst_token_indices, src_tp_rank=r, src_attn_tp_size=P, dst_tp_rank=d,
-                        dst_attn_tp_size=N, dst_dcp_size=KVP, staging_ptr=3 << 44,
-                        **({} if staging is None else {"staging_capacity": staging}),
-                    )  # fmt: skip
-                    batches = [x for step in send.steps for x in dcp_gqa.batch_lists(step.blocks, batch)]
+                    with dry_pack() as sizes:
+                        rank.send(src, dst_ptrs, dst_pages, dst_item, dcp_size=KVP, dst_rank=d, dst_tp_size=N,
+                                  src_page_offset=start // page, num_tokens=n, pack=object())  # fmt: skip
                     t += time.perf_counter() - t0
-                    staged = max(staged, send.staged_bytes)
-                    blocks += sum(len(b[0]) for b in batches)
-                    sent += sum(sum(b[2]) for b in batches)
-                    del batches
-                else:
-                    cuts = [dcp_gqa.token_slice(src_tb, r, P, dst_tb, head_rank, head_tp)] * before_entries
-                    got = _before_blocks(src_ptrs, dst_ptrs, [src_tb] * entries, [dst_tb] * entries, cuts,
-                                         plan.target_src_token_indices, plan.target_dst_token_indices)  # fmt: skip
-                    batches = [_before_lists(got[i : i + 512]) for i in range(0, len(got), 512)]
-                    t += (time.perf_counter() - t0) * entries / before_entries
-                    blocks += len(got) * entries // before_entries
-                    sent += sum(b[2] for b in got) * entries // before_entries
-                    del got, batches
+                    packed += sizes
+                    continue
+                plan = build_dcp_token_transfer_plan(
+                    src, dst_pages, physical_page_size=page, dcp_size=KVP, dcp_rank=d % KVP,
+                    src_page_offset=start // page, num_kv_tokens=n, interleave_size=page,
+                )  # fmt: skip
+                cuts = [_cut(P, r, tpa, d // KVP, K, head_bytes)] * before_entries
+                got = _before_blocks(src_ptrs, dst_ptrs, [src_tb] * entries, [dst_tb] * entries, cuts,
+                                     plan.target_src_token_indices, plan.target_dst_token_indices)  # fmt: skip
+                batches = [_before_lists(got[i : i + 512]) for i in range(0, len(got), 512)]
+                t += (time.perf_counter() - t0) * entries / before_entries
+                blocks += len(got) * entries // before_entries
+                sent += sum(b[2] for b in got) * entries // before_entries
+                del got, batches
             host.append(t)
+            blocks, sent = blocks + rank.blocks, sent + rank.sent
         best = min(max(host), row.get(name, {}).get("plan_host_s", float("inf")))
         row[name] = {"blocks": blocks, "bytes_sent_all_prefill_ranks": sent, "plan_host_s": best}
         if name == "after":
-            row[name]["staging_bytes"] = staged
+            row[name]["packed_bytes"] = max(packed, default=0)
     return row
 
 

@@ -134,28 +134,13 @@ def test_the_pool_configurator_charges_nothing_for_the_mode(helix, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode", "null"])
-@pytest.mark.parametrize("staging", [None, 1024])
-def test_a_pd_prefill_charges_its_transfer_staging(mode, staging, monkeypatch):
-    """A prefill server of PD disaggregation over Mooncake (the PD patch) charges what its transfer
-    workers may allocate for head sub-slices a decode in DCP's GQA mode takes: one staging buffer
-    per transfer queue (``SGLANG_DISAGGREGATION_QUEUE_SIZE``), each the larger of
-    ``SGLANG_DCP_PD_STAGING_BYTES`` (64 MiB unset) and one page of every K/V entry, the size
-    ``MooncakeKVManager._dcp_gqa_staging`` allocates; a decode server or no PD, nothing.
-    """
-    from sglang.srt.disaggregation.common import dcp_gqa
-
-    if staging is not None:
-        monkeypatch.setenv(dcp_gqa.STAGING_BYTES_ENV, str(staging))
+@pytest.mark.parametrize("helix", [True, False], ids=["helix", "off"])
+def test_a_pd_server_charges_nothing_before_its_pool(mode, helix, monkeypatch):
+    """A server of PD disaggregation over Mooncake, prefill or decode, in the mode or not, sizes its
+    KV pool after upstream's fixed overhead alone: the mode's prefill packs head sub-slices into
+    upstream's DCP pack buffers, allocated when a DCP decode registers (as for MLA), not into a
+    staging of its own charged here (issue 69; a real prefill server's pool: test_helix_pd_e2e)."""
     monkeypatch.setenv("SGLANG_DISAGGREGATION_QUEUE_SIZE", "3")
-    disagg = SimpleNamespace(
-        disaggregation_mode=mode, disaggregation_transfer_backend="mooncake"
-    )
-    configurator = _configurator(monkeypatch, False, disagg, page_size=64)
-    page_bytes = (
-        1024 * 64
-    )  # one page of every K/V entry: the cell (bytes a token) x the page
-    per_queue = (
-        64 << 20 if staging is None else page_bytes
-    )  # 1024 bytes < a page: the page wins
-    want = 3 * per_queue if mode == "prefill" else 0
-    assert configurator._fixed_overhead_bytes == 4096 + want
+    disagg = SimpleNamespace(disaggregation_mode=mode, disaggregation_transfer_backend="mooncake")
+    configurator = _configurator(monkeypatch, helix, disagg, page_size=64)
+    assert configurator._fixed_overhead_bytes == 4096

@@ -1,23 +1,25 @@
 """Helix decode in prefill/decode disaggregation: the relayout of a plain-TP prefill's KV into a
-``--tp N --helix-kvp-size KVP`` decode server's shards (DCP's PD code, ``dcp_gqa``).
+``--tp N --helix-kvp-size KVP`` decode server's shards (upstream's PD DCP code, ``dcp_gqa``).
 
 Unit tests (no server): the transfer plan with an interleave (against a brute force and, at
-interleave 1, upstream's own formula), the rank mapping (every decode rank's head slice covered
-exactly once by what its prefill ranks send; every prefill rank waits for exactly the decode ranks
-that read it), and a whole simulated transfer -- P prefill pools, N decode pools in byte arrays,
-moved by ``head_slice_plan`` over ``build_dcp_token_transfer_plan`` in chunks at the pools' real
-addresses (sub-slices packed by ``pack_rows`` into a small staging, part-major pages put back by
-``unpack_part_major``) -- against Helix's own layout (``kv_layout.write_rows``: what the decode
-would have written had it run the prefill) and with each byte sent once; the plan's block count
-per owned page, at deployment layouts (K = 8 and 4, replicas included), and its staging bound.
-The end-to-end tests (``test_helix_pd_e2e``) start the real servers and the router.
+interleave 1, upstream's own formula), the rank mapping (upstream's ``_resolve_rank_mapping`` in
+the mode: every head of a decode rank's slice read from the prefill ranks holding it, per
+``compute_head_slice_params``; every prefill rank waits for exactly the decode ranks that read it),
+and whole simulated transfers -- P prefill pools, N decode pools in byte arrays, each chunk sent by
+upstream's ``MooncakeKVManager.send_kvcache_dcp`` (the real method, ``sglang_helix.testing.pd_send``)
+with its blocks moved by ``memmove`` at the pools' real addresses, with upstream's DCP pack buffer
+(the real ``try_pack_dcp_src``, its kernel interpreted) and without one (the CPU engine's case),
+part-major pages put back by ``unpack_part_major`` -- against Helix's own layout
+(``gqa_layout.write_rows``: what the decode would have written had it run the prefill), each byte
+sent once; and the send's block count per owned page at deployment layouts (K = 8 and 4,
+replicas included). The end-to-end tests (``test_helix_pd_e2e``) start the real servers.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,8 +31,10 @@ if STUB_DIR not in sys.path:
     sys.path.insert(0, STUB_DIR)
 
 from sglang.srt.disaggregation.common import dcp_gqa  # noqa: E402
+from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params  # noqa: E402
 from sglang.srt.disaggregation.common.utils import build_dcp_token_transfer_plan  # noqa: E402
 from sglang.srt.layers.dcp.gqa_layout import write_rows  # noqa: E402
+from sglang_helix.testing.pd_send import PrefillRank, decode_reads, dry_pack, host_pack_buffer  # noqa: E402
 
 
 def _upstream_target_rows(src_pages, dst_pages, S, D, rank, src_page_offset, decode_prefix_len, n):
@@ -89,38 +93,40 @@ def _prefill_heads(p_rank, P, K):
     return [p_rank // (P // K)]
 
 
+def _parts(P, N, KVP, K):
+    """How many prefill ranks hold distinct parts of a decode rank's heads (part-major pages)."""
+    return max(1, min(P, K) // (N // KVP))
+
+
 @pytest.mark.parametrize("P,N,KVP,K", LAYOUTS)
-def test_rank_mapping_covers_each_head_slice_once(P, N, KVP, K):
-    head_bytes = 3
-    readers = {r: 0 for r in range(P)}
+def test_rank_mapping_reads_each_head_from_the_ranks_holding_it(P, N, KVP, K):
+    tpa = N // KVP
+    waits = {r: [] for r in range(P)}
     for d in range(N):
-        ranks, dst_info, responses = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P)
+        ranks, dst_info, responses = decode_reads(d, N, KVP, P)
         assert responses == len(ranks)
-        head_rank, tpa = dcp_gqa.decode_head_rank(d, N, KVP)
+        head_rank = d // KVP
         want = list(range(head_rank * K // tpa, (head_rank + 1) * K // tpa))
-        got = [None] * (len(want) * head_bytes)
+        got = []
         for r in ranks:
-            readers[r] += 1
-            src = _prefill_heads(r, P, K)
-            cut = dcp_gqa.token_slice(len(src) * head_bytes, r, P, len(want) * head_bytes, head_rank, tpa)
-            assert cut is not None
-            src_bytes = [(h, b) for h in src for b in range(head_bytes)]
-            for i in range(cut.copy_bytes):
-                got[cut.dst_offset + i] = src_bytes[cut.src_offset + i]
-        assert got == [(h, b) for h in want for b in range(head_bytes)], (d, ranks)
+            waits[r].append(dst_info)
+            src_start, heads, dst_start, _ = compute_head_slice_params(P, tpa, r, head_rank, K)
+            share = _prefill_heads(r, P, K)[src_start : src_start + heads]
+            assert share == want[dst_start : dst_start + heads], (d, r)
+            got += share
+        assert sorted(got) == sorted(want * max(1, P // K)), (d, ranks)  # every replica of each head
     for r in range(P):  # each prefill rank waits for exactly the decode ranks that read it
-        expect = dcp_gqa.prefill_ranks_for_decode(next(d for d in range(N) if r in dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P)[0]), N, KVP, P)[1]
-        assert readers[r] == expect
+        assert waits[r] == [len(waits[r])] * len(waits[r]) and waits[r], (r, waits[r])
 
 
 def test_rank_mapping_refuses_sizes_that_do_not_divide():
     with pytest.raises(ValueError, match="--tp 3"):
-        dcp_gqa.prefill_ranks_for_decode(0, 4, 2, 3)
+        decode_reads(0, 4, 2, 3)
 
 
-def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2, n_layers=2, seed=0, staging_capacity=96):
+def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2, n_layers=2, seed=0, pack=False):
     """A prefill of ``prompt_len`` tokens sent in ``chunks`` (token counts, page multiples but the
-    last) to every decode rank; returns (decode pools, expected decode pools)."""
+    last) to every decode rank by upstream's send; returns (decode pools, expected decode pools)."""
     rng = np.random.default_rng(seed)
     kv = rng.integers(0, 256, size=(n_layers, 2, prompt_len + decode_prefix_len, K, D_head), dtype=np.uint8)
     # prefill pools: per rank, per entry (layer K, layer V) [rows, heads_p, D_head]; random pages
@@ -154,50 +160,40 @@ def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2
                     want[layer * 2 + kv_i, owned_rows[t]] = kv[layer, kv_i, t, heads]
         dst_pools.append(dst)
         want_pools.append(want)
-    # the transfer: each decode rank from its prefill ranks, chunk by chunk, at the pools' real
-    # addresses (blocks moved with memmove, sub-slices packed by pack_rows into a small staging)
+    # the transfer: each decode rank from its prefill ranks, chunk by chunk, by upstream's send at
+    # the pools' real addresses (its blocks moved with memmove, in batches of 7 blocks)
     dst_prefix_pages = decode_prefix_len // virtual
-    staging = torch.zeros(staging_capacity, dtype=torch.uint8)
-    sent = [0] * N
+    entries = n_layers * 2
     for d in range(N):
-        ranks, _, _ = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P)
+        ranks, _, _ = decode_reads(d, N, KVP, P)
+        sent = 0
+        dst = dst_pools[d]
+        dst_item, dst_ptrs = [dst[0, :S].nbytes] * entries, [dst[e].ctypes.data for e in range(entries)]
         for r in ranks:
-            src, dst = src_pools[r], dst_pools[d]
-            src_item = [src[0, :S].nbytes] * (n_layers * 2)
-            dst_item = [dst[0, :S].nbytes] * (n_layers * 2)
-            src_ptrs = [src[e].ctypes.data for e in range(n_layers * 2)]
-            dst_ptrs = [dst[e].ctypes.data for e in range(n_layers * 2)]
+            src = src_pools[r]
+            rank = PrefillRank(r, P, K, [src[e].ctypes.data for e in range(entries)], [src[0, :S].nbytes] * entries,
+                               S, move=True, batch_indices=7)  # fmt: skip
             start = 0
             for size in chunks:
                 page_offset = start // S
-                plan = build_dcp_token_transfer_plan(
-                    src_pages[page_offset : page_offset + -(-size // S)], dst_pages[dst_prefix_pages:],
-                    physical_page_size=S, dcp_size=KVP, dcp_rank=d % KVP, src_page_offset=page_offset,
-                    decode_prefix_len=decode_prefix_len, num_kv_tokens=size, interleave_size=S,
-                )  # fmt: skip
-                send = dcp_gqa.head_slice_plan(
-                    src_ptrs, src_item, dst_ptrs, dst_item, S, plan.target_src_token_indices,
-                    plan.target_dst_token_indices, src_tp_rank=r, src_attn_tp_size=P, dst_tp_rank=d,
-                    dst_attn_tp_size=N, dst_dcp_size=KVP, staging_ptr=staging.data_ptr(),
-                    staging_capacity=staging_capacity,
-                )  # fmt: skip
-                row_bytes = sum(g.copy_bytes for g in send.steps[-1].gathers) if send.steps else 0
-                assert send.staged_bytes <= max(staging_capacity, S * row_bytes)  # bounded: a page at least
-                for step in send.steps:
-                    dcp_gqa.pack_rows(step, staging)
-                    for s_addr, d_addr, length in step.blocks:
-                        ctypes.memmove(int(d_addr), int(s_addr), int(length))
-                        sent[d] += length
+                buffer = host_pack_buffer(size * src[0, 0].nbytes * entries) if pack else None
+                assert rank.send(
+                    src_pages[page_offset : page_offset + -(-size // S)], dst_ptrs, dst_pages[dst_prefix_pages:],
+                    dst_item, dcp_size=KVP, dst_rank=d, dst_tp_size=N, src_page_offset=page_offset, num_tokens=size,
+                    decode_prefix_len=decode_prefix_len, pack=buffer,
+                ) == 0  # fmt: skip
                 start += size
             assert start == prompt_len
+            assert all(len(b) <= 7 for b in rank.batches)
+            sent += sum(int(b[:, 2].sum()) for b in rank.batches)
         # the decode rank, its transfer done: its pages back token-major (part-major when P > TPA)
         rows = write_rows(locs[decode_prefix_len:], d % KVP, KVP, S).numpy()
         pages = np.unique(rows[rows >= 0] // S)
-        parts = dcp_gqa.decode_parts(P, N, KVP, K)
-        dst = dst_pools[d]
-        dcp_gqa.unpack_part_major([dst[e].ctypes.data for e in range(n_layers * 2)], [dst[0, :S].nbytes] * (n_layers * 2), pages, S, parts)
+        args = SimpleNamespace(kv_data_ptrs=dst_ptrs, kv_item_lens=dst_item, num_draft_entries=0, page_size=S,
+                               total_kv_head_num=K, gpu_id=0)  # fmt: skip
+        dcp_gqa.unpack_part_major(SimpleNamespace(kv_args=args, dcp_size=KVP, attn_tp_size=N), pages, P, "cpu")
         # each byte once: what every prefill rank sent is the decode rank's KV
-        assert sent[d] == (rows >= 0).sum() * dst_pools[d][0, 0].nbytes * n_layers * 2, (d, sent[d])
+        assert sent == (rows >= 0).sum() * dst[0, 0].nbytes * entries, (d, sent)
     return dst_pools, want_pools
 
 
@@ -223,68 +219,70 @@ def test_relayout_fills_each_decode_rank_as_helix_would(P, N, KVP, K, name, prom
         np.testing.assert_array_equal(got[d], want[d], err_msg=f"decode rank {d}")
 
 
-def test_whole_token_slices_move_in_runs():
-    """P == TPA: a rank's owned tokens go as one block per run of the interleave, not per token."""
-    plan = build_dcp_token_transfer_plan(
-        np.arange(8), np.arange(4), physical_page_size=4, dcp_size=2, dcp_rank=1, num_kv_tokens=32, interleave_size=4
-    )
-    blocks = dcp_gqa.head_slice_plan(
-        [0], [64], [0], [64], 4, plan.target_src_token_indices, plan.target_dst_token_indices,
-        src_tp_rank=1, src_attn_tp_size=2, dst_tp_rank=2, dst_attn_tp_size=4, dst_dcp_size=2,
-    ).blocks  # fmt: skip
-    assert blocks[:, 2].tolist() == [64] * 4  # four runs of four 16-byte tokens
+@pytest.mark.parametrize("P,N,KVP,K", [(1, 4, 2, 4), (2, 4, 4, 4), (4, 4, 2, 4), (2, 8, 2, 8), (16, 8, 2, 8)])
+def test_relayout_through_upstreams_pack_buffer(P, N, KVP, K):
+    """With upstream's DCP pack buffer (a GPU prefill's): every row packed by ``try_pack_dcp_src``
+    (a sub-slice as a strided row), then sent from it."""
+    got, want = _simulate(P, N, KVP, K, 4, 37, [16, 16, 5], seed=P, pack=True)
+    for d in range(N):
+        np.testing.assert_array_equal(got[d], want[d], err_msg=f"decode rank {d}")
 
 
-def _send_plans(P, N, KVP, K, S, n_tokens, d, head_bytes=256, entries=4, staging_capacity=dcp_gqa.STAGING_BYTES_DEFAULT):
-    """Every prefill rank's plan to decode rank ``d`` for one ``n_tokens`` chunk (contiguous pools)."""
+def _sends(P, N, KVP, K, S, n_tokens, d, head_bytes=256, entries=4, pack=True):
+    """Every prefill rank's send to decode rank ``d`` of one ``n_tokens`` chunk, over pointers
+    (the decode's pages in descending order: no two adjacent by luck); returns (the token plan, each
+    rank's batches of blocks)."""
     src_item = [len(_prefill_heads(0, P, K)) * head_bytes * S] * entries
     dst_item = [K // (N // KVP) * head_bytes * S] * entries
+    dst_pages = np.arange(-(-n_tokens // (S * KVP)))[::-1].copy()
     plan = build_dcp_token_transfer_plan(
-        np.arange(-(-n_tokens // S)), np.arange(-(-n_tokens // (S * KVP))), physical_page_size=S, dcp_size=KVP,
-        dcp_rank=d % KVP, num_kv_tokens=n_tokens, interleave_size=S,
+        np.arange(-(-n_tokens // S)), dst_pages, physical_page_size=S, dcp_size=KVP, dcp_rank=d % KVP,
+        num_kv_tokens=n_tokens, interleave_size=S,
     )  # fmt: skip
-    ranks = dcp_gqa.prefill_ranks_for_decode(d, N, KVP, P).tp_ranks
-    return plan, [
-        dcp_gqa.head_slice_plan(
-            [1 << 40] * entries, src_item, [2 << 40] * entries, dst_item, S, plan.target_src_token_indices,
-            plan.target_dst_token_indices, src_tp_rank=r, src_attn_tp_size=P, dst_tp_rank=d, dst_attn_tp_size=N,
-            dst_dcp_size=KVP, staging_ptr=3 << 40, staging_capacity=staging_capacity,
-        )  # fmt: skip
-        for r in ranks
-    ]
+    blocks = []
+    with dry_pack():
+        for r in decode_reads(d, N, KVP, P)[0]:
+            rank = PrefillRank(r, P, K, [(1 << 40) + e * (1 << 32) for e in range(entries)], src_item, S)
+            rank.send(np.arange(-(-n_tokens // S)), [(2 << 40) + e * (1 << 32) for e in range(entries)], dst_pages,
+                      dst_item, dcp_size=KVP, dst_rank=d, dst_tp_size=N, src_page_offset=0, num_tokens=n_tokens,
+                      pack=object() if pack else None)  # fmt: skip
+            blocks.append(rank.batches)
+    return plan, blocks
+
+
+def test_whole_token_slices_move_in_runs():
+    """P == TPA: a rank's owned tokens go as one block per run of the interleave, not per token."""
+    _, [(blocks,)] = _sends(2, 4, 2, 4, 4, 32, 2, head_bytes=8, entries=1, pack=False)
+    assert blocks[:, 2].tolist() == [64] * 4  # four runs of four 16-byte tokens
 
 
 @pytest.mark.parametrize("P,N,KVP,K", DEPLOYED + [(2, 8, 2, 8), (1, 8, 2, 4), (2, 16, 4, 4)])  # + packed sub-slices
 def test_blocks_scale_with_pages_and_each_byte_is_sent_once(P, N, KVP, K):
-    """Per decode rank, all its prefill ranks together: at most a block per owned page per K/V
-    entry per part of the token (a block per token would be S times that), no more per page
-    at twice the tokens, and as many bytes as the decode rank's KV."""
+    """Per decode rank, all its prefill ranks together: a block per owned page per K/V entry per
+    part of the token (a block per token would be S times that), at any length, and as many bytes
+    as the decode rank's KV."""
     S, entries, head_bytes = 16, 4, 256
     for d in range(N):
-        per_page = []
         for n_tokens in (4096, 8192):
-            plan, sends = _send_plans(P, N, KVP, K, S, n_tokens, d, head_bytes, entries)
+            plan, sends = _sends(P, N, KVP, K, S, n_tokens, d, head_bytes, entries)
             owned_pages = len(np.unique(plan.target_dst_token_indices // S))
-            parts = dcp_gqa.decode_parts(P, N, KVP, K)
-            blocks = sum(len(s.blocks) for s in sends)
-            assert blocks <= entries * owned_pages * parts, (d, n_tokens, blocks, owned_pages)
-            per_page.append(blocks / owned_pages)
-            sent = sum(b[2] for s in sends for b in s.blocks)
+            sends = [np.concatenate(batches) for batches in sends]
+            blocks = sum(len(s) for s in sends)
+            assert blocks == entries * owned_pages * _parts(P, N, KVP, K), (d, n_tokens, blocks, owned_pages)
+            sent = sum(int(s[:, 2].sum()) for s in sends)
             dst_token_bytes = K // (N // KVP) * head_bytes
             assert sent == plan.target_dst_token_indices.size * dst_token_bytes * entries
-        assert per_page[1] <= per_page[0]  # no more blocks a page at twice the tokens
 
 
-def test_staging_is_bounded_and_used_in_steps():
-    """A --tp 1 prefill into --tp 8 --helix-kvp-size 2 (a quarter of each token): the packed bytes
-    of a step stay within the staging, at least a page, and the steps cover every owned token."""
-    S, entries, head_bytes = 16, 4, 256
-    row_bytes = 8 // 4 * head_bytes * entries
-    for capacity in (1, 5 * S * row_bytes + 7, 1 << 30):
-        plan, sends = _send_plans(1, 8, 2, 8, S, 4096, 3, head_bytes, entries, staging_capacity=capacity)
-        (send,) = sends
-        assert send.staged_bytes == min(max(capacity // (S * row_bytes), 1) * S * row_bytes, plan.target_src_token_indices.size * row_bytes)
-        assert np.concatenate([s.rows for s in send.steps]).tolist() == plan.target_src_token_indices.tolist()
+def test_without_a_pack_buffer_a_sub_slice_moves_per_token():
+    """The CPU engine (no DCP pack buffer, as in 0.5.23): a --tp 1 prefill's quarter of each token
+    goes a block per token, in batches the TCP transport queues; the bytes are the same."""
+    plan, [packed] = _sends(1, 8, 2, 8, 16, 4096, 3)
+    _, [unpacked] = _sends(1, 8, 2, 8, 16, 4096, 3, pack=False)
+    assert [len(b) for b in unpacked[:-1]] == [512] * (len(unpacked) - 1)  # half of the per-peer queue
+    packed, unpacked = np.concatenate(packed), np.concatenate(unpacked)
+    assert len(unpacked) == plan.target_src_token_indices.size * 4 and len(packed) <= len(unpacked) // 16
+    assert unpacked[:, 2].sum() == packed[:, 2].sum()
 
 
 @pytest.mark.parametrize("P,N,KVP,K", LAYOUTS)

@@ -33,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import FULL, GQA, KV2, plain_tp_reference, run_workload
+from conftest import FULL, GQA, KV2, plain_tp_reference, run_workload, stop_server
+from helix_runs import pinned_memory_env
 from sglang_helix.testing import kv_checks
 from sglang_helix.testing.openai_probe import (
     LOGPROB_ATOL,
@@ -44,7 +45,8 @@ from sglang_helix.testing.openai_probe import (
     probe,
     sized_completions,
 )
-from sglang_helix.testing.pd import PDCluster
+from sglang_helix.testing.pd import MOONCAKE_ENV, PDCluster
+from sglang_helix.testing.server import CpuServer, free_port
 
 SKIP_ENV = "HELIX_SKIP_PD_E2E"  # =1: skip this module when Mooncake or the router does not import
 
@@ -119,6 +121,32 @@ def test_helix_decode_behind_router_serves_plain_tp_tokens(prefill_tp, kvp, spec
     assert max(int(n) for n in CACHED_RE.findall(prefill_log)) >= 256, "the repeated long prompt missed the prefill's prefix cache"
     assert not kv_checks.fired_checks(decode_log), kv_checks.fired_checks(decode_log)[:5]
     assert alive and idle["num_used_tokens"] == 0
+
+
+def test_a_plain_prefill_server_sizes_its_kv_pool_as_0_5_23(model_dir, server_log_dir):
+    """A GQA prefill server over Mooncake that is not in DCP's GQA mode sizes its KV pool exactly
+    as 0.5.23 does. Its free-memory reading is pinned (``helix_runs.pinned_memory_env``: 2 GiB), so
+    its budget is 2 GiB x ``--mem-fraction-static`` (0.1875: 384 MiB), and 0.5.23's
+    ``DefaultPoolConfigurator.calculate_pool_sizes`` makes that ``(budget - fixed overhead) // cell
+    // page * page`` tokens, with no fixed overhead here (no KV-shard scratch) and the cell the
+    model's K and V bytes a token (2 layers x 4 heads x 16 x fp32 x 2 = 1 KiB). Anything charged
+    before sizing (the series' 4 x 64 MiB of PD staging before issue 69) takes tokens off."""
+    page, fraction = CHUNK, 0.1875
+    args = ["--tp", "1", "--mem-fraction-static", str(fraction), "--page-size", str(page), "--disaggregation-mode",
+            "prefill", "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port",
+            str(free_port())]  # fmt: skip
+    env = {**MOONCAKE_ENV, **pinned_memory_env()}
+    srv = CpuServer(model_dir(GQA), args, log_dir=server_log_dir, extra_env=env, health_path="/health").start()
+    try:
+        log = srv.log_text()
+    finally:
+        stop_server(srv)
+    avail = re.findall(r"Load weight begin\. avail mem=([\d.]+) GB", log)
+    assert avail == ["2.00"], f"the memory pin did not apply: {avail} ({srv.log_path})"
+    got = re.findall(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+)", log) + re.findall(r"max_total_num_tokens=(\d+),", log)
+    cell = GQA.num_layers * 2 * GQA.num_kv_heads * GQA.head_dim * 4
+    want = int(int(env["HELIX_TEST_AVAILABLE_MEMORY_BYTES"]) * fraction) // cell // page * page
+    assert got == [str(want)] * 2, f"a plain prefill server's KV pool rows and max_total_num_tokens: {got}; 0.5.23 sizes {want} ({srv.log_path})"
 
 
 @FULL  # the default run's Helix pair has a plain CPU-engine prefill too; this adds a plain decode
@@ -251,9 +279,9 @@ def long_ids_completion(base_url: str):
 @FULL
 def test_a_long_prompt_in_head_sub_slices(model_dir, server_log_dir):
     """A 6000-token prompt from a --tp 1 prefill into --tp 4 --helix-kvp-size 2: each decode rank
-    takes half of every token's heads, packed on the prefill into its staging and sent a block per
-    run of decode pages (a block per token, 12K a rank, before issue 47): the colocated server's
-    tokens."""
+    takes half of every token's heads (a strided row of the prefill's pool; the CPU engine has no
+    DCP pack buffer, so a block per token, in batches the TCP transport queues): the colocated
+    server's tokens."""
     path = model_dir(GQA)
     ref = run_workload(path, ["--tp", "4"], "torch_native", server_log_dir, long_ids_completion)
     decode_args = ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", str(CHUNK)]
