@@ -528,6 +528,12 @@ PREFIX_TESTS = {
     "[DCP] Mixtral: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures or opt_in",
     ],
+    "[DCP] Qwen3.5: opt in to DCP's GQA mode": [
+        "test/test_helix_args.py", "-m", "not e2e", "-k", "qwen3_5_is_accepted or qwen3_5_radix or qwen3_next",
+    ],
+    "[CPU] Qwen3.5 without AMX: the gated RMSNorm and the shared-expert gate in torch": [
+        "test/test_qwen3_5_cpu_paths.py",
+    ],
     "[DCP] EAGLE: the Llama draft head opts in as a draft": [
         "test/test_helix_args.py", "test/test_helix_attention.py", "-m", "not e2e", "-k",
         "(speculative or speculation_keeps) and not pd-decode",  # (PD's checks: the PD patch)

@@ -1,0 +1,48 @@
+"""Qwen3.5's CPU paths on a CPU without AMX (patch ``[CPU] Qwen3.5 without AMX``), at the unit level.
+
+The Gated DeltaNet layers' gated RMSNorm (``fla/layernorm_gated.RMSNorm``, ``norm(x) * silu(z)``
+per head row) runs its torch reference where neither sgl-kernel's AMX op nor a Triton device
+exists; before the patch it asked CUDA for an SM count. Checked against float64 math written here.
+(The MoE block's shared-expert gate, the patch's other half, is served end to end by
+``test_qwen3_5_harness.py``'s MoE server.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from sglang_helix.testing.cpu_env import STUB_DIR
+
+
+@pytest.fixture(autouse=True)
+def cpu_engine(monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    monkeypatch.syspath_prepend(STUB_DIR)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_rmsnorm_runs_in_torch_on_a_cpu_without_amx(dtype):
+    import torch
+    from sglang.kernels.ops.attention.fla import layernorm_gated
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if cpu_has_amx_support():
+        pytest.skip("this CPU has AMX: sgl-kernel's op serves the norm")
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    norm = layernorm_gated.RMSNorm(
+        64, eps=1e-6, group_size=None, norm_before_gate=True, dtype=dt
+    )
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    x, z = (torch.randn(7, 64, generator=g).to(dt) for _ in range(2))
+    out = norm(x, z)
+    x64, z64, w64 = x.double(), z.double(), norm.weight.double()
+    ref = (
+        x64
+        / torch.sqrt(x64.square().mean(-1, keepdim=True) + 1e-6)
+        * w64
+        * torch.nn.functional.silu(z64)
+    )
+    assert out.dtype == dt and out.shape == x.shape
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
