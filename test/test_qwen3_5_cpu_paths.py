@@ -46,3 +46,22 @@ def test_gated_rmsnorm_runs_in_torch_on_a_cpu_without_amx(dtype):
     assert out.dtype == dt and out.shape == x.shape
     tol = 1e-5 if dt == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_default_flags_resolve_the_radix_cache_without_an_extra_buffer(tmp_path):
+    """``launch_server`` with the default flags on the CPU engine (patch ``[CPU] Hybrid models``):
+    the hybrid model's radix cache resolves to ``no_buffer`` with overlap scheduling off, where
+    0.5.23 chose ``extra_buffer`` for the overlap schedule and then asserted the platform has one.
+    """
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+    from sglang_helix.testing.qwen3_5_models import DENSE, write_qwen3_5_model
+
+    path = write_qwen3_5_model(str(tmp_path / "dense"), DENSE)
+    server_args = prepare_server_args(["--model-path", path, "--device", "cpu"])
+    server_args.resolve_once()
+    cfg = resolving_view(server_args)
+    assert (
+        cfg.mamba_radix_cache_strategy == "no_buffer" and cfg.disable_overlap_schedule
+    )
+    assert not cfg.disable_radix_cache

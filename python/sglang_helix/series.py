@@ -532,6 +532,9 @@ PREFIX_TESTS = {
         "test/test_helix_args.py", "-m", "not e2e", "-k", "qwen3_5_is_accepted or qwen3_5_radix or qwen3_next",
     ],
     "[CPU] Qwen3.5 without AMX: the gated RMSNorm and the shared-expert gate in torch": [
+        "test/test_qwen3_5_cpu_paths.py", "-k", "gated_rmsnorm",
+    ],
+    "[CPU] Hybrid models: the mamba radix cache takes no extra buffer where the platform has none": [
         "test/test_qwen3_5_cpu_paths.py",
     ],
     "[DCP] EAGLE: the Llama draft head opts in as a draft": [
@@ -579,7 +582,7 @@ PRS = [
     (1, "[DCP] fixes: GQA K/V, torch_native DCP, the Triton extend, drafts, the fused write",
      "[DCP] GQA models replicate K/V", "[DCP] The fused rope + KV write is off"),
     (2, "[CPU] DCP on the CPU engine; FP8 and Qwen3.5 without AMX", "[Distributed] Do not create a PyNccl",
-     "[CPU] Qwen3.5 without AMX"),
+     "[CPU] Hybrid models: the mamba radix cache"),
     (3, "[DCP] The GQA mode: replicated Q over tp / dcp, one All-to-All, models opting in",
      "[Kernel] Triton decode stage 2: optional merged-LSE", "[Helix] Server args: --helix-kvp-size spells"),
     (4, "[DCP] Speculation in the GQA mode", "[torch_native] Speculative draft decode", "[DCP] EAGLE: the Llama draft head"),
