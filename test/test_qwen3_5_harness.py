@@ -38,10 +38,10 @@ bound. A wrong gate, a dropped state update or decay, or a lost initial state mo
 
 Server settings (docs/cpu-harness.md, "Qwen3.5"): ``SGLANG_MAMBA_CONV_DTYPE=float32`` (SGLang
 keeps the conv state in bfloat16 by default, even for a float32 model: 3e-2 nats off transformers
-after 6 decode steps), ``--disable-overlap-schedule`` (0.5.23 resolves the mamba radix cache to
-``extra_buffer`` when overlap scheduling is on, which the CPU platform rejects at start), and
-``--max-mamba-cache-size 64`` (the state pool is otherwise sized from system memory in every rank:
-8.9 GB at ``--tp 1``, an OOM kill at ``--tp 4``).
+after 6 decode steps) and ``--max-mamba-cache-size 64`` (the state pool is otherwise sized from
+system memory in every rank: 8.9 GB at ``--tp 1``, an OOM kill at ``--tp 4``); otherwise the
+defaults, overlap scheduling resolving off with the ``no_buffer`` radix cache (the series' "[CPU]
+Hybrid models" patch: 0.5.23 asserted at start).
 """
 
 from __future__ import annotations
@@ -53,24 +53,15 @@ import urllib.request
 import pytest
 from conftest import FULL, start_server, stop_server
 
-from sglang_helix.testing.qwen3_5_models import DENSE, MOE, write_qwen3_5_model
+from sglang_helix.testing.qwen3_5_models import DENSE
 
-SERVER_ARGS = ["--disable-overlap-schedule", "--max-mamba-cache-size", "64"]
+SERVER_ARGS = ["--max-mamba-cache-size", "64"]
 SERVER_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 PROMPT_LENS = (1, 5, 13, 150)
 NEW_TOKENS = 8
 MARGIN = 1e-3
 ATOL = 2e-4
 RTOL = 2.0**-14
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_5")
-    return {
-        "dense": write_qwen3_5_model(str(root / "dense"), DENSE),
-        "moe": write_qwen3_5_model(str(root / "moe"), MOE),
-    }
 
 
 def prompts() -> list[list[int]]:

@@ -1,0 +1,141 @@
+"""Qwen3.5 in DCP's GQA mode against plain TP: the hybrid model upstream's GQA DCP is run with.
+
+The tiny Qwen3.5 checkpoints of ``test_qwen3_5_harness.py`` (2 KV heads; the dense one at head dim
+256 with the published M-RoPE sections, the MoE one at head dim 64 with a gated shared expert; 3
+Gated DeltaNet layers to 1 gated full-attention layer, partial rotary 0.25), on ``torch_native``,
+float32, ``--tp 4``. That file's plain ``--tp 4`` servers are the baselines (and are held to
+transformers' own forward there); each layout here serves the same workload (one batched
+``/generate``, prompts of 1, 5, 13 and 150 tokens, greedy, logprobs from position 0, twice) and must
+give plain TP's greedy tokens within its decisive prefix and every prompt and output logprob within
+the same float32 bound (``ATOL + RTOL * |lp|``).
+
+Layouts (default tier): ``--helix-kvp-size 2`` (TPA 2: each rank of a pair projects 2 query heads
+and their gates, attends over its half of the sequence and keeps 1 head after the All-to-All) and
+DCP's spelling at KVP 4 (``--dcp-size 4 --dcp-replicate-q-proj``, TPA 1) on the dense model, with
+``--chunked-prefill-size 96`` as its baseline (resolved to the mode's page multiple: the 150-token
+prompt is served in two chunks, the second reading the sharded KV and the linear-attention states
+the first left); ``--helix-kvp-size 2`` on the MoE model. Full tier: upstream's ``--dcp-size 2``
+(Q gathered) on the dense model, the MoE model at KVP 4, and the dense model at KVP 2 on
+interpreted Triton.
+
+Every layout runs with upstream's KV debug checks (``kv_checks.DEBUG_ENV``): each rank checks its
+KV pool and its linear-attention state pool after every batch and whenever idle (a leak or double
+free raises, which ends the server), and the test requires every rank's full-attention KV pool
+counts after the workload to equal those at start.
+
+The mode runs with ``--disable-radix-cache`` here: the CPU platform has no mamba extra buffer, and
+without it the radix cache of the linear-attention states takes one-token pages only, while the
+mode's pages are chunk x KVP tokens (refused at start in one line otherwise: ``test_helix_args.py``,
+``qwen3_5_radix``). The plain-TP baselines keep their radix cache (``no_buffer``).
+
+The mode's one model change is the output gate: each rank gates the Q/N heads it holds after the
+exchange with those heads' gate rows. Gating with the group's first heads instead (every rank of a
+pair taking rank 0's) fails ``test_dense_serves_plain_tp`` by whole nats (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import test_qwen3_5_harness as harness
+from conftest import FULL, start_server, stop_server
+from sglang_helix.testing import kv_checks
+
+pytestmark = pytest.mark.e2e
+CHUNKED = [
+    "--chunked-prefill-size",
+    "96",
+]  # the dense baseline's (test_qwen3_5_harness)
+NO_RADIX = ["--disable-radix-cache"]
+
+DENSE_LAYOUTS = {
+    "kvp2": ["--helix-kvp-size", "2"],
+    "dcp4-rq": ["--dcp-size", "4", "--dcp-replicate-q-proj"],
+    "dcp2": ["--dcp-size", "2"],  # upstream's DCP: Q gathered
+    "kvp2-triton": ["--helix-kvp-size", "2"],
+}
+FULL_TIER = {"dcp2", "kvp2-triton", "moe-kvp4"}
+
+
+def serve_checked(
+    model_path: str, args: list, log_dir: str, backend: str = "torch_native"
+) -> dict:
+    """``harness.workload`` on ``--tp 4 args`` with the KV debug checks; then, idle, one more
+    request: the results, the checks that fired, and every rank's (total, available, uncached)
+    as the first check of the server's life logged it and as the one after the workload does.
+    """
+    env = {**harness.SERVER_ENV, **kv_checks.DEBUG_ENV}
+    srv = start_server(
+        model_path, ["--tp", "4", *harness.SERVER_ARGS, *args], backend, log_dir, env
+    )
+    try:
+        out = harness.workload(srv.base_url)
+        kv_checks.wait_idle(srv.base_url)
+        mark = os.path.getsize(srv.log_path)
+        status, _ = kv_checks.get(
+            srv.base_url, "/health_generate"
+        )  # a request on the idle server
+        kv_checks.wait_idle(srv.base_url)
+        time.sleep(2.0)  # several idle-loop checks on every rank
+        with open(srv.log_path, "rb") as f:
+            raw = f.read()
+        log = raw.decode(errors="replace")
+        out.update(
+            healthy=status == 200, fired=kv_checks.fired_checks(log),
+            start=kv_checks.busy_counts(log), after=kv_checks.busy_counts(raw[mark:].decode(errors="replace")),
+        )  # fmt: skip
+    finally:
+        stop_server(srv)
+    return out
+
+
+def assert_pools_back(out: dict, what: str) -> None:
+    assert (
+        out["healthy"] and not out["fired"]
+    ), f"{what}: KV checks fired: {out['fired'][:5]}"
+    ranks = list(range(4))
+    assert (
+        sorted(out["start"]) == sorted(out["after"]) == ranks
+    ), f"{what}: busy checks {out['after']}"
+    for (
+        rank
+    ) in ranks:  # a request on the idle server sees the pool its first request saw
+        first, after = out["start"][rank][0], out["after"][rank][0]
+        assert (
+            after == first
+        ), f"{what}: TP{rank} (total, available, uncached) {after}, at start {first}"
+
+
+def assert_serves_plain_tp(base: dict, got: dict, what: str) -> None:
+    for round_ in ("first", "again"):
+        worst = harness.assert_same_results(
+            base[round_], got[round_], f"{what} ({round_} round)"
+        )
+    print(f"{what} vs plain --tp 4: {worst}")
+    assert_pools_back(got, what)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(k, marks=FULL if k in FULL_TIER else ()) for k in DENSE_LAYOUTS],
+)
+def test_dense_serves_plain_tp(qwen3_5_dirs, server_log_dir, layout):
+    path = qwen3_5_dirs["dense"]
+    base = harness.serve(path, 4, server_log_dir, CHUNKED)
+    backend = "triton" if layout.endswith("triton") else "torch_native"
+    got = serve_checked(
+        path, [*DENSE_LAYOUTS[layout], *NO_RADIX, *CHUNKED], server_log_dir, backend
+    )
+    assert_serves_plain_tp(base, got, f"dense {layout}")
+
+
+@pytest.mark.parametrize(
+    "kvp", [pytest.param(2, id="moe-kvp2"), pytest.param(4, id="moe-kvp4", marks=FULL)]
+)
+def test_moe_serves_plain_tp(qwen3_5_dirs, server_log_dir, kvp):
+    path = qwen3_5_dirs["moe"]
+    base = harness.serve(path, 4, server_log_dir)
+    got = serve_checked(path, ["--helix-kvp-size", str(kvp), *NO_RADIX], server_log_dir)
+    assert_serves_plain_tp(base, got, f"moe kvp{kvp}")
