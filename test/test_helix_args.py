@@ -189,7 +189,8 @@ def test_unsupported_architecture(model, tmp_path):
         json.dump(config, f)
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
         "--helix-kvp-size 2 supports only LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM models (SGLang's own model code), but "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM "
+        "models (SGLang's own model code), but "
         f"--model-path {path} is GemmaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
     )
 
@@ -203,12 +204,15 @@ def test_model_class_must_opt_in(model, monkeypatch):
     from sglang.srt.models.mistral import MistralForCausalLM
 
     assert vars(LlamaForCausalLM)["supports_dcp_gqa"] and vars(MistralForCausalLM)["supports_dcp_gqa"]
+    from sglang.srt.arg_groups.helix_hook import helix_architectures, join
+
     monkeypatch.setattr(LlamaForCausalLM, "supports_dcp_gqa", False)
     path = model()
+    others = helix_architectures()  # (this prefix's opted-in families)
+    assert "LlamaForCausalLM" not in others and others[:2] == ["MistralForCausalLM", "MixtralForCausalLM"]
     assert helix_error(path, ["--tp", "4", *GQA_MODE]) == (
-        "--dcp-size 2 --dcp-replicate-q-proj supports only MistralForCausalLM, MixtralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM models (SGLang's own model code), but "
-        f"--model-path {path} is LlamaForCausalLM. Serve a supported model, or drop --dcp-replicate-q-proj."
+        f"--dcp-size 2 --dcp-replicate-q-proj supports only {join(others)} models (SGLang's own model code), "
+        f"but --model-path {path} is LlamaForCausalLM. Serve a supported model, or drop --dcp-replicate-q-proj."
     )
 
 
