@@ -139,3 +139,39 @@ def test_moe_serves_plain_tp(qwen3_5_dirs, server_log_dir, kvp):
     base = harness.serve(path, 4, server_log_dir)
     got = serve_checked(path, ["--helix-kvp-size", str(kvp), *NO_RADIX], server_log_dir)
     assert_serves_plain_tp(base, got, f"moe kvp{kvp}")
+
+
+@FULL
+def test_block_fp8_serves_plain_tp(qwen3_5_dirs, server_log_dir, tmp_path_factory):
+    """The dense model as Qwen publishes Qwen3.5 in FP8 (block-wise 128 x 128, the Gated DeltaNet
+    projections unquantized: ``write_qwen3_5_fp8_block``), bfloat16, ``--helix-kvp-size 2`` against
+    plain ``--tp 4`` on the same checkpoint: the greedy tokens while plain TP decides by more than
+    ``BF16_MARGIN``, and their logprobs within ``test_helix_real_shapes``' bfloat16 bound. (Where the
+    TPA shards are not whole blocks the checkpoint is refused: ``test_helix_args.py``.)
+    """
+    from sglang_helix.testing.qwen3_5_models import write_qwen3_5_fp8_block
+    from test_helix_real_shapes import (BF16_LOGPROB_ATOL, BF16_LOGPROB_RTOL,
+                                        BF16_MARGIN)
+
+    fp8 = write_qwen3_5_fp8_block(
+        qwen3_5_dirs["dense"], str(tmp_path_factory.mktemp("qwen3_5") / "fp8")
+    )
+    args = ["--dtype", "bfloat16", *NO_RADIX]
+    base = serve_checked(fp8, args, server_log_dir)
+    got = serve_checked(fp8, [*args, "--helix-kvp-size", "2"], server_log_dir)
+    compared = 0
+    for i, (r, g) in enumerate(zip(base["first"], got["first"])):
+        n = next(
+            (k for k, t in enumerate(r["top2"]) if t[0] - t[1] < BF16_MARGIN),
+            len(r["ids"]),
+        )
+        assert (
+            g["ids"][:n] == r["ids"][:n]
+        ), f"fp8 prompt {i}: {g['ids']} vs plain TP {r['ids']} ({n} decided)"
+        for a, b in zip(g["lp"][:n], r["lp"][:n]):
+            assert abs(a - b) <= BF16_LOGPROB_ATOL + BF16_LOGPROB_RTOL * abs(
+                b
+            ), f"fp8 prompt {i}: {a} vs {b}"
+        compared += n
+    assert compared >= 8, compared
+    assert_pools_back(got, "fp8 kvp2")

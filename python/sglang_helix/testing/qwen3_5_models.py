@@ -217,3 +217,20 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def write_qwen3_5_fp8_block(src: str, out: str) -> str:
+    """``src`` (a checkpoint of ``write_qwen3_5_model``) in SGLang's block-wise ``fp8`` format
+    (128 x 128 tiles, ``fp8_checkpoints``), as Qwen publishes Qwen3.5: the attention and MLP
+    projections FP8, the Gated DeltaNet projections (``linear_attn``), norms, embeddings and
+    ``lm_head`` in their float dtype (``ignored_layers``). Idempotent."""
+    from sglang_helix.testing.fp8_checkpoints import write_fp8_checkpoint
+
+    write_fp8_checkpoint(src, out, "fp8-block")
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"]["ignored_layers"] = ["lm_head", "linear_attn"]
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    return out
