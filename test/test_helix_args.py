@@ -198,8 +198,8 @@ def test_unsupported_architecture(model, tmp_path):
         json.dump(config, f)
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
         "--helix-kvp-size 2 supports only LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM "
-        "models (SGLang's own model code), but "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, "
+        "Qwen3_5MoeForCausalLM or Qwen3_5MoeForConditionalGeneration models (SGLang's own model code), but "
         f"--model-path {path} is GemmaForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
     )
 
@@ -1923,4 +1923,20 @@ def test_qwen3_5_block_fp8_is_served_where_shards_are_whole_blocks(qwen3_5, tmp_
         f"--helix-kvp-size 2: --model-path {moe} is fp8-quantized in 128-row blocks, but at TPA = --tp 4 / "
         "--helix-kvp-size 2 = 2 a qkv_proj shard has 64 or 128 rows per head group (not whole blocks). "
         "Use --helix-kvp-size 4, or use --helix-kvp-size 1."
+    )
+
+
+def test_qwen3_5_multimodal_checkpoint_is_accepted(tmp_path):
+    """The form Qwen publishes (``Qwen3_5ForConditionalGeneration``, here with a one-block vision
+    encoder) resolves into the mode: its language model is the text model's layers (served:
+    test_helix_qwen3_5.py)."""
+    from sglang_helix.testing.qwen3_5_models import write_qwen3_5_vl_model
+
+    path = write_qwen3_5_vl_model(str(tmp_path / "vl"))
+    assert gqa_mode(
+        view(
+            resolve(
+                path, ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache"]
+            )
+        )
     )

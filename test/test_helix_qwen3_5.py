@@ -150,8 +150,7 @@ def test_block_fp8_serves_plain_tp(qwen3_5_dirs, server_log_dir, tmp_path_factor
     TPA shards are not whole blocks the checkpoint is refused: ``test_helix_args.py``.)
     """
     from sglang_helix.testing.qwen3_5_models import write_qwen3_5_fp8_block
-    from test_helix_real_shapes import (BF16_LOGPROB_ATOL, BF16_LOGPROB_RTOL,
-                                        BF16_MARGIN)
+    from test_helix_real_shapes import BF16_LOGPROB_ATOL, BF16_LOGPROB_RTOL, BF16_MARGIN
 
     fp8 = write_qwen3_5_fp8_block(
         qwen3_5_dirs["dense"], str(tmp_path_factory.mktemp("qwen3_5") / "fp8")
@@ -175,3 +174,18 @@ def test_block_fp8_serves_plain_tp(qwen3_5_dirs, server_log_dir, tmp_path_factor
         compared += n
     assert compared >= 8, compared
     assert_pools_back(got, "fp8 kvp2")
+
+
+@FULL
+def test_multimodal_checkpoint_serves_plain_tp(server_log_dir, tmp_path_factory):
+    """The form Qwen publishes, ``Qwen3_5ForConditionalGeneration`` (the dense text model under
+    ``model.language_model`` beside a one-block vision encoder, ``write_qwen3_5_vl_model``): its
+    language model in the mode serves plain ``--tp 4``'s tokens for text requests (the vision
+    encoder runs plain TP over attn_tp, untouched by the mode; image requests are not served here).
+    """
+    from sglang_helix.testing.qwen3_5_models import write_qwen3_5_vl_model
+
+    path = write_qwen3_5_vl_model(str(tmp_path_factory.mktemp("qwen3_5") / "vl"))
+    base = serve_checked(path, NO_RADIX, server_log_dir)
+    got = serve_checked(path, ["--helix-kvp-size", "2", *NO_RADIX], server_log_dir)
+    assert_serves_plain_tp(base, got, "multimodal kvp2")

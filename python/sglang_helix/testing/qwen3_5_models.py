@@ -234,3 +234,59 @@ def write_qwen3_5_fp8_block(src: str, out: str) -> str:
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
     return out
+
+
+def write_qwen3_5_vl_model(path: str, spec: Qwen35Spec = DENSE) -> str:
+    """The multimodal form Qwen publishes (``Qwen3_5ForConditionalGeneration`` /
+    ``Qwen3_5MoeForConditionalGeneration``): ``spec``'s text model under ``model.language_model``
+    beside a one-block vision encoder (``model.visual``), written by transformers (idempotent).
+    """
+    import torch
+    import transformers
+
+    want = {**asdict(spec), "vl": True}
+    stamp = os.path.join(path, "tiny_model_spec.json")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == want:
+                return path
+    os.makedirs(path, exist_ok=True)
+    write_tokenizer(path, spec.vocab_size)
+    text = _config(spec).to_dict()
+    text.update(
+        full_attention_interval=4, attn_output_gate=True, mamba_ssm_dtype="float32"
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=spec.hidden_size,
+    )
+    moe = spec.arch == "qwen3_5_moe"
+    config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    config = config_cls(
+        text_config=text, vision_config=vision, tie_word_embeddings=False
+    )
+    config.architectures = [
+        (
+            "Qwen3_5MoeForConditionalGeneration"
+            if moe
+            else "Qwen3_5ForConditionalGeneration"
+        )
+    ]
+    torch.manual_seed(spec.seed)
+    model_cls = (
+        transformers.Qwen3_5MoeForConditionalGeneration
+        if moe
+        else transformers.Qwen3_5ForConditionalGeneration
+    )
+    model = model_cls(config).to(torch.float32)
+    _init_weights(model, spec)
+    model.save_pretrained(path, safe_serialization=True)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        os.remove(gen)
+    with open(stamp, "w") as f:
+        json.dump(want, f)
+    return path
