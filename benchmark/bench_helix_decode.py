@@ -9,7 +9,8 @@ Against servers you started (a GPU node; one server at a time or several on diff
     python benchmark/bench_helix_decode.py --base-url http://127.0.0.1:30000 \
         --base-url http://127.0.0.1:30001 --context 16384,65536,131072 --batch 1,8
 
-On the CPU harness (tiny random Llamas written on the fly, servers launched and stopped for you):
+On the CPU harness (tiny random Llamas, or with --qwen3-5 Qwen3.5s, written on the fly, servers
+launched and stopped for you):
 
     .venv/bin/python benchmark/bench_helix_decode.py --cpu --tp 4 --kvp 1,2,4 --kv-heads 1,4 \
         --context 1024,4096,16384,32768 --batch 1,8 --batch-max-context 4096 \
@@ -219,7 +220,8 @@ def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
 
         heads = k / layout.tpa
         tokens = int(local_kv_lens(context, 0, layout.kvp, layout.chunk))  # the largest shard: rank 0's
-    mib = heads * tokens * 2 * head_dim * dtype_bytes * cfg["num_hidden_layers"] / (1 << 20)
+    kv_layers = cfg.get("layer_types", []).count("full_attention") or cfg["num_hidden_layers"]  # (hybrid: KV layers)
+    mib = heads * tokens * 2 * head_dim * dtype_bytes * kv_layers / (1 << 20)
     return heads, tokens, mib
 
 
@@ -351,6 +353,13 @@ def bench_cpu(args) -> list[Row]:
         )  # fmt: skip
         model = write_tiny_model(os.path.join(args.work_dir, f"model-k{k}"), spec)
         flags = ["--tp", str(args.tp)] + layout
+        if args.qwen3_5:  # the hybrid model: 1 full-attention layer in 4, the rest Gated DeltaNet
+            from sglang_helix.testing.qwen3_5_models import Qwen35Spec, write_qwen3_5_model
+
+            qspec = Qwen35Spec(num_heads=args.heads, num_kv_heads=k, head_dim=args.head_dim, num_layers=args.layers,
+                               max_position_embeddings=max(8192, max_context), mrope=args.head_dim == 256)  # fmt: skip
+            model = write_qwen3_5_model(os.path.join(args.work_dir, f"qwen3_5-k{k}-d{args.head_dim}"), qspec)
+            flags += ["--max-mamba-cache-size", str(4 * max(args.batch))]  # (sized from host memory otherwise)
         if args.fp8:  # the same model's weights in FP8 (the CPU FP8 linear: W8A16, bf16 activations)
             from sglang_helix.testing.fp8_checkpoints import write_fp8_checkpoint
 
@@ -598,6 +607,7 @@ def main() -> int:
         help="speculation per layout, any of none, chain-S, tree-SxK (STANDALONE, top-k K), ngram-N (NGRAM, "
         "N draft tokens); e.g. none,chain-3,tree-3x2,ngram-6 (with --spec-steps: added to its chains)",
     )  # fmt: skip
+    cpu.add_argument("--qwen3-5", action="store_true", help="tiny Qwen3.5 (hybrid: --layers of which 1 in 4 full attention, output gate) instead of Llama")
     cpu.add_argument("--fp8", choices=["fp8-tensor", "fp8-block", "ct-channel"], help="serve each model quantized to this FP8 format, in bfloat16 (KV in bfloat16: pass --dtype-bytes 2)")
     cpu.add_argument("--max-total-tokens", type=int, default=65536, help="at least; raised to fit the largest batch")
     cpu.add_argument("--profile", help="py-spy every scheduler rank over --profile-tokens extra decode steps of each request; files and a per-rank summary here")
