@@ -258,9 +258,9 @@ def write_qwen3_5_vl_model(path: str, spec: Qwen35Spec = DENSE) -> str:
     )
     vision = dict(
         depth=1,
-        hidden_size=32,
-        num_heads=2,
-        intermediate_size=64,
+        hidden_size=64,
+        num_heads=4,  # (--tp 4: the vision encoder's heads shard over attn_tp)
+        intermediate_size=128,
         out_hidden_size=spec.hidden_size,
     )
     moe = spec.arch == "qwen3_5_moe"
@@ -287,6 +287,10 @@ def write_qwen3_5_vl_model(path: str, spec: Qwen35Spec = DENSE) -> str:
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
         os.remove(gen)
+    # The processors the server loads for a multimodal checkpoint (the published patch geometry).
+    geometry = dict(patch_size=16, temporal_patch_size=2, merge_size=2)
+    transformers.Qwen2VLImageProcessor(**geometry).save_pretrained(path)
+    transformers.Qwen3VLVideoProcessor(**geometry).save_pretrained(path)
     with open(stamp, "w") as f:
         json.dump(want, f)
     return path
