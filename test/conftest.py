@@ -23,10 +23,7 @@ from sglang_helix.testing.triton_record import (  # noqa: E402,F401
 )
 
 from sglang_helix.testing.server import CpuServer  # noqa: E402
-from sglang_helix.testing.tiny_models import (
-    TinyModelSpec,
-    write_tiny_model,
-)  # noqa: E402
+from sglang_helix.testing.tiny_models import TinyModelSpec, write_tiny_model  # noqa: E402
 from sglang_helix.testing.bytecode import compile_series_bytecode  # noqa: E402
 
 # The series' files in site-packages have no bytecode after an install (it clears theirs), and with
@@ -81,12 +78,7 @@ def eagle_draft(model_dir, tmp_path_factory):
     from sglang_helix.testing.eagle_fit import fit_eagle_draft
     from sglang_helix.testing.openai_probe import PROMPTS
 
-    fitted = fit_eagle_draft(
-        str(tmp_path_factory.mktemp("eagle-fit") / "draft"),
-        model_dir(GQA),
-        PROMPTS,
-        new_tokens=24,
-    )
+    fitted = fit_eagle_draft(str(tmp_path_factory.mktemp("eagle-fit") / "draft"), model_dir(GQA), PROMPTS, new_tokens=24)
     assert fitted["train_accuracy"] > 0.9, fitted
     return fitted["path"]
 
@@ -99,8 +91,7 @@ def server_log_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_5_dirs(tmp_path_factory):
     """The tiny Qwen3.5 checkpoints (``qwen3_5_models``: dense, MoE), one copy for the session, so
-    the plain-TP servers of ``test_qwen3_5_harness.py`` are the baselines of ``test_helix_qwen3_5.py``.
-    """
+    the plain-TP servers of ``test_qwen3_5_harness.py`` are the baselines of ``test_helix_qwen3_5.py``."""
     from sglang_helix.testing.qwen3_5_models import DENSE, MOE, write_qwen3_5_model
 
     root = tmp_path_factory.mktemp("qwen3_5")
@@ -111,20 +102,11 @@ def qwen3_5_dirs(tmp_path_factory):
 
 
 def start_server(
-    model_path: str,
-    args: list[str],
-    backend: str,
-    log_dir: str,
-    extra_env: dict | None = None,
+    model_path: str, args: list[str], backend: str, log_dir: str, extra_env: dict | None = None
 ) -> CpuServer:
     timeout = float(os.environ.get("HELIX_TEST_STARTUP_TIMEOUT", "900"))
     return CpuServer(
-        model_path,
-        args,
-        attention_backend=backend,
-        startup_timeout=timeout,
-        log_dir=log_dir,
-        extra_env=extra_env,
+        model_path, args, attention_backend=backend, startup_timeout=timeout, log_dir=log_dir, extra_env=extra_env
     ).start()
 
 
@@ -140,22 +122,9 @@ def stop_server(srv: CpuServer) -> None:
 _RESULTS: dict = {}
 
 
-def run_workload(
-    model_path: str,
-    args: list,
-    backend: str,
-    log_dir: str,
-    workload,
-    key=None,
-    extra_env=None,
-):
+def run_workload(model_path: str, args: list, backend: str, log_dir: str, workload, key=None, extra_env=None):
     """Start a server with ``args``, run ``workload(base_url)``, stop it; cached per session."""
-    key = key or (
-        model_path,
-        tuple(args),
-        backend,
-        getattr(workload, "__name__", str(workload)),
-    )
+    key = key or (model_path, tuple(args), backend, getattr(workload, "__name__", str(workload)))
     if key not in _RESULTS:
         srv = start_server(model_path, list(args), backend, log_dir, extra_env)
         try:
@@ -173,8 +142,7 @@ def fp8_root(tmp_path_factory):
 
 def fp8_workload(base_url):
     """The probe (greedy tokens, logprobs, top-2) and every rank's weight checksums: an FP8
-    server's results, shared by test_fp8_cpu.py and test_helix_fp8.py (the same plain TP server).
-    """
+    server's results, shared by test_fp8_cpu.py and test_helix_fp8.py (the same plain TP server)."""
     from sglang_helix.testing.openai_probe import probe
     from sglang_helix.testing.weights import weight_checksums
 
@@ -185,12 +153,7 @@ def plain_tp_reference(base_url):
     """What every layout is compared with: the probe, the long prompt, one answer per wave prompt;
     and every rank's weight checksums (test_helix_weights.py reads the plain ``--tp 4`` server's,
     so that plain TP's loader is checked without a server of its own)."""
-    from sglang_helix.testing.openai_probe import (
-        long_completion,
-        probe,
-        single_completions,
-        sized_completions,
-    )
+    from sglang_helix.testing.openai_probe import long_completion, probe, single_completions, sized_completions
     from sglang_helix.testing.weights import weight_checksums
 
     return {"probe": probe(base_url), "long": long_completion(base_url), "singles": single_completions(base_url),

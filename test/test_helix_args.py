@@ -22,11 +22,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR, cpu_server_env
 from sglang_helix.testing.tiny_models import ARCHS, TinyModelSpec, write_tiny_model
 
 HELIX_FIELDS = ("helix_kvp_size", "helix_kvp_chunk_size", "dcp_interleave_size")
-GQA_MODE = [
-    "--dcp-size",
-    "2",
-    "--dcp-replicate-q-proj",
-]  # DCP's spelling of the mode (Helix's: later)
+GQA_MODE = ["--dcp-size", "2", "--dcp-replicate-q-proj"]  # DCP's spelling of the mode (Helix's: later)
 HOOK_SOURCE = "handle_helix_parallelism"
 
 
@@ -109,10 +105,7 @@ def helix_log():
             records.append(record)
 
     handler = Collect(level=logging.INFO)
-    loggers = [
-        logging.getLogger(f"sglang.srt.arg_groups.{m}")
-        for m in ("helix_hook", "parallel_hook")
-    ]
+    loggers = [logging.getLogger(f"sglang.srt.arg_groups.{m}") for m in ("helix_hook", "parallel_hook")]
     for logger in loggers:
         logger.addHandler(handler)
     try:
@@ -141,9 +134,7 @@ def test_interleave_size_below_one(model):
 
 @pytest.mark.parametrize("chunk", ["0", "-64"])
 def test_chunk_size_below_one(model, chunk):
-    assert helix_error(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk]
-    ) == (
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk]) == (
         f"--helix-kvp-chunk-size must be >= 1, got --helix-kvp-chunk-size {chunk}. Use a positive "
         "--helix-kvp-chunk-size, or use --helix-kvp-size 1."
     )
@@ -212,19 +203,13 @@ def test_model_class_must_opt_in(model, monkeypatch):
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.mistral import MistralForCausalLM
 
-    assert (
-        vars(LlamaForCausalLM)["supports_dcp_gqa"]
-        and vars(MistralForCausalLM)["supports_dcp_gqa"]
-    )
+    assert vars(LlamaForCausalLM)["supports_dcp_gqa"] and vars(MistralForCausalLM)["supports_dcp_gqa"]
     from sglang.srt.arg_groups.helix_hook import helix_architectures, join
 
     monkeypatch.setattr(LlamaForCausalLM, "supports_dcp_gqa", False)
     path = model()
     others = helix_architectures()  # (this prefix's opted-in families)
-    assert "LlamaForCausalLM" not in others and others[:2] == [
-        "MistralForCausalLM",
-        "MixtralForCausalLM",
-    ]
+    assert "LlamaForCausalLM" not in others and others[:2] == ["MistralForCausalLM", "MixtralForCausalLM"]
     assert helix_error(path, ["--tp", "4", *GQA_MODE]) == (
         f"--dcp-size 2 --dcp-replicate-q-proj supports only {join(others)} models (SGLang's own model code), "
         f"but --model-path {path} is LlamaForCausalLM. Serve a supported model, or drop --dcp-replicate-q-proj."
@@ -248,52 +233,34 @@ def test_inherited_opt_in_is_not_enough(model, tmp_path):
     config["architectures"] = [arch]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    assert f"but --model-path {path} is {arch}." in helix_error(
-        path, ["--tp", "4", *GQA_MODE]
-    )
+    assert f"but --model-path {path} is {arch}." in helix_error(path, ["--tp", "4", *GQA_MODE])
 
 
-@pytest.mark.parametrize(
-    "arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
-)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_supported_architectures(tmp_path, arch):
     """Every family whose attention opts in is accepted, from its real config fields (rope
     scaling, tied embeddings, experts), with K < N: Helix is on and shards the KV."""
-    path = write_tiny_model(
-        str(tmp_path / arch), TinyModelSpec(arch=arch, num_heads=8, num_kv_heads=2)
-    )
+    path = write_tiny_model(str(tmp_path / arch), TinyModelSpec(arch=arch, num_heads=8, num_kv_heads=2))
     with open(os.path.join(path, "config.json")) as f:
         assert f"{ARCHS[arch][1]}" in json.load(f)["architectures"]
     cfg = view(resolve(path, ["--tp", "4", *GQA_MODE, "--dcp-interleave-size", "64"]))
-    assert (
-        gqa_mode(cfg) and cfg.page_size == 64
-    )  # DCP allocates pages of 64 x 2: one run per rank
+    assert gqa_mode(cfg) and cfg.page_size == 64  # DCP allocates pages of 64 x 2: one run per rank
     # DCP's GQA mode: the group, exchange, replicated Q and interleave are DCP's
-    assert (
-        cfg.dcp_size,
-        cfg.dcp_comm_backend,
-        cfg.dcp_replicate_q_proj,
-        cfg.dcp_interleave_size,
-    ) == (2, "a2a", True, 64)
+    assert (cfg.dcp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj, cfg.dcp_interleave_size) == (2, "a2a", True, 64)
 
 
 def test_unsupported_model_impl(model):
     """The class checked is the one the model resolves to, --model-impl included (upstream's
     ``get_model_architecture``), so the Transformers backend's class is refused."""
-    message = helix_error(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", "--model-impl", "transformers"]
-    )
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--model-impl", "transformers"])
     assert "(SGLang's own model code), but --model-path" in message and message.endswith(
-        " is TransformersForCausalLM. Serve a supported model, or use --helix-kvp-size 1."
-    ), message
+        " is TransformersForCausalLM. Serve a supported model, or use --helix-kvp-size 1."), message
 
 
 # --------------------------------------------------------------------------------------------
 # Combinations Helix does not support
 # --------------------------------------------------------------------------------------------
-def _unsupported(
-    feature, given, fix, why=""
-):  # the why is in docs/helix-flags.md, not in the message
+def _unsupported(feature, given, fix, why=""):  # the why is in docs/helix-flags.md, not in the message
     return f"--helix-kvp-size 2 does not support {feature} ({given}). {fix}, or use --helix-kvp-size 1."
 
 
@@ -315,35 +282,21 @@ UNSUPPORTED = {
     ),
     "attn-cp": (
         ["--attn-cp-size", "2"],
-        _unsupported(
-            "prefill context parallelism", "--attn-cp-size 2", "Set --attn-cp-size 1"
-        ),
+        _unsupported("prefill context parallelism", "--attn-cp-size 2", "Set --attn-cp-size 1"),
     ),
     "prefill-cp": (
         ["--enable-prefill-cp"],
-        _unsupported(
-            "prefill context parallelism",
-            "--enable-prefill-cp",
-            "Drop --enable-prefill-cp",
-        ),
+        _unsupported("prefill context parallelism", "--enable-prefill-cp", "Drop --enable-prefill-cp"),
     ),
     "dp-attention": (
         ["--enable-dp-attention", "--dp-size", "2"],
-        _unsupported(
-            "DP attention",
-            "--enable-dp-attention --dp-size 2",
-            "Drop --enable-dp-attention",
-            "Helix shards every request over all KVP ranks",
-        ),
+        _unsupported("DP attention", "--enable-dp-attention --dp-size 2", "Drop --enable-dp-attention",
+                     "Helix shards every request over all KVP ranks"),
     ),
     "attn-dp": (
         ["--attn-dp-size", "2"],
-        _unsupported(
-            "DP attention",
-            "--attn-dp-size 2",
-            "Set --attn-dp-size 1",
-            "Helix shards every request over all KVP ranks",
-        ),
+        _unsupported("DP attention", "--attn-dp-size 2", "Set --attn-dp-size 1",
+                     "Helix shards every request over all KVP ranks"),
     ),
     "pp": (
         ["--pp-size", "2"],
@@ -351,58 +304,34 @@ UNSUPPORTED = {
     ),
     "speculative-eagle3": (
         ["--speculative-algorithm", "EAGLE3"],
-        _unsupported(
-            "EAGLE3 speculation yet",
-            "--speculative-algorithm EAGLE3",
-            "Use --speculative-algorithm EAGLE, STANDALONE or NGRAM",
-        ),
+        _unsupported("EAGLE3 speculation yet", "--speculative-algorithm EAGLE3",
+                     "Use --speculative-algorithm EAGLE, STANDALONE or NGRAM"),
     ),
     "pd-prefill": (  # Helix is a decode server; a decode server is accepted (test_pd_decode_is_accepted)
         ["--disaggregation-mode", "prefill"],
-        _unsupported(
-            "the prefill side of prefill/decode disaggregation (Helix is a decode server)",
-            "--disaggregation-mode prefill",
-            "Run the prefill server with plain --tp (no --helix-kvp-size)",
-        ),
+        _unsupported("the prefill side of prefill/decode disaggregation (Helix is a decode server)",
+                     "--disaggregation-mode prefill", "Run the prefill server with plain --tp (no --helix-kvp-size)"),
     ),
     "pd-decode-nixl": (
-        [
-            "--disaggregation-mode",
-            "decode",
-            "--disaggregation-transfer-backend",
-            "nixl",
-        ],
-        _unsupported(
-            "the nixl KV transfer backend yet",
-            "--disaggregation-transfer-backend nixl",
-            "Use --disaggregation-transfer-backend mooncake",
-        ),
+        ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"],
+        _unsupported("the nixl KV transfer backend yet", "--disaggregation-transfer-backend nixl",
+                     "Use --disaggregation-transfer-backend mooncake"),
     ),
     "pd-decode-speculative": (
         ["--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM"],
-        _unsupported(
-            "speculative decoding on a prefill/decode disaggregation decode server yet",
-            "--speculative-algorithm NGRAM",
-            "Drop --speculative-algorithm",
-        ),
+        _unsupported("speculative decoding on a prefill/decode disaggregation decode server yet",
+                     "--speculative-algorithm NGRAM", "Drop --speculative-algorithm"),
     ),
     "lora": (
         ["--enable-lora"],
-        _unsupported(
-            "LoRA adapters yet",
-            "--enable-lora",
-            "Drop --enable-lora",
-            "adapters are sliced for the TP layout, not the KVP x TPA one",
-        ),
+        _unsupported("LoRA adapters yet", "--enable-lora", "Drop --enable-lora",
+                     "adapters are sliced for the TP layout, not the KVP x TPA one"),
     ),
     "hicache": (
         ["--enable-hierarchical-cache"],
-        _unsupported(
-            "prefix-cache extensions",
-            "--enable-hierarchical-cache",
-            "Drop --enable-hierarchical-cache",
-            "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool",
-        ),
+        _unsupported("prefix-cache extensions", "--enable-hierarchical-cache",
+                     "Drop --enable-hierarchical-cache",
+                     "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
     ),
     "page-size": (
         ["--page-size", "16"],
@@ -424,238 +353,68 @@ UNSUPPORTED = {
     # Prefill and decode on different backends: SGLang wraps them in a HybridAttnBackend, which
     # the GQA mode does not run (one backend serves both phases).
     "split-backends": (
-        [
-            "--prefill-attention-backend",
-            "triton",
-            "--decode-attention-backend",
-            "torch_native",
-        ],
-        _unsupported(
-            "different prefill and decode attention backends",
-            "--prefill-attention-backend triton --decode-attention-backend torch_native",
-            "Pass one --attention-backend",
-        ),
+        ["--prefill-attention-backend", "triton", "--decode-attention-backend", "torch_native"],
+        _unsupported("different prefill and decode attention backends",
+                     "--prefill-attention-backend triton --decode-attention-backend torch_native",
+                     "Pass one --attention-backend"),
     ),
     "split-decode-backend": (
         ["--attention-backend", "triton", "--decode-attention-backend", "torch_native"],
-        _unsupported(
-            "different prefill and decode attention backends",
-            "--attention-backend triton --decode-attention-backend torch_native",
-            "Pass one --attention-backend",
-        ),
+        _unsupported("different prefill and decode attention backends",
+                     "--attention-backend triton --decode-attention-backend torch_native",
+                     "Pass one --attention-backend"),
     ),
     # From the pass over every flag group (docs/helix-flags.md).
     **{
         case: (flags, _unsupported(feature, given or " ".join(flags), fix, why))
         for case, flags, feature, given, fix, why in [
-            (
-                "decoupled-spec",
-                ["--decoupled-spec-role", "verifier"],
-                "decoupled speculative decoding yet",
-                None,
-                "Drop --decoupled-spec-role",
-                "",
-            ),
-            (
-                "flexkv",
-                ["--enable-flexkv"],
-                "prefix-cache extensions",
-                None,
-                "Drop --enable-flexkv",
-                "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool",
-            ),
-            (
-                "session-radix",
-                ["--enable-session-radix-cache"],
-                "prefix-cache extensions",
-                None,
-                "Drop --enable-session-radix-cache",
-                "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool",
-            ),
-            (
-                "streaming-session",
-                ["--enable-streaming-session"],
-                "prefix-cache extensions",
-                None,
-                "Drop --enable-streaming-session",
-                "a session's next request reuses its KV as a prefix",
-            ),
-            (
-                "unified-memory",
-                ["--enable-unified-memory"],
-                "the unified memory pool",
-                None,
-                "Drop --enable-unified-memory",
-                "Helix shards the per-layer KV pool by rows",
-            ),
-            (
-                "page-major-kv",
-                ["--enable-page-major-kv-layout"],
-                "the unified memory pool",
-                None,
-                "Drop --enable-page-major-kv-layout",
-                "Helix shards the per-layer KV pool by rows",
-            ),
-            (
-                "hisparse",
-                ["--enable-hisparse"],
-                "hierarchical sparse attention",
-                None,
-                "Drop --enable-hisparse",
-                "",
-            ),
-            (
-                "kv-canary",
-                ["--kv-canary", "log"],
-                "the KV cache canary",
-                None,
-                "Drop --kv-canary",
-                "it reads the KV pool by allocator id, and Helix ids are not rows",
-            ),
-            (
-                "mixed-chunk",
-                ["--enable-mixed-chunk"],
-                "mixed chunked prefill yet",
-                None,
-                "Drop --enable-mixed-chunk",
-                "",
-            ),
-            (
-                "two-batch-overlap",
-                ["--enable-two-batch-overlap"],
-                "attention-backend wrappers",
-                None,
-                "Drop --enable-two-batch-overlap",
-                _WRAPPED,
-            ),
-            (
-                "pdmux",
-                ["--enable-pdmux"],
-                "attention-backend wrappers",
-                None,
-                "Drop --enable-pdmux",
-                _WRAPPED,
-            ),
-            (
-                "megakernel",
-                ["--enable-nvidia-megakernel"],
-                "decode megakernels",
-                None,
-                "Drop --enable-nvidia-megakernel",
-                "they replace the decode forward, Helix attention included",
-            ),
-            (
-                "mis",
-                ["--enable-mis"],
-                "multi-item scoring",
-                None,
-                "Drop --enable-mis",
-                "the Helix attention does not apply its attention mask",
-            ),
-            (
-                "dllm",
-                ["--dllm-algorithm", "LowConfidence"],
-                "diffusion LLM inference",
-                None,
-                "Drop --dllm-algorithm",
-                "",
-            ),
-            (
-                "layernorm-sp",
-                ["--enable-layernorm-sp"],
-                "sequence-parallel attention input",
-                None,
-                "Drop --enable-layernorm-sp",
-                "the Helix attention needs every token on every rank",
-            ),
-            (
-                "attn-input-scattered",
-                ["--enable-attn-tp-input-scattered"],
-                "sequence-parallel attention input",
-                None,
-                "Drop --enable-attn-tp-input-scattered",
-                "the Helix attention needs every token on every rank",
-            ),
-            (
-                "torch-compile",
-                ["--enable-torch-compile"],
-                "torch.compile yet",
-                None,
-                "Drop --enable-torch-compile",
-                "the KVP All-to-All is not captured yet",
-            ),
-            (
-                "deterministic",
-                ["--enable-deterministic-inference"],
-                "deterministic inference yet",
-                None,
-                "Drop --enable-deterministic-inference",
-                "batch invariance of the Helix attention and merge is not verified",
-            ),
-            (
-                "offload",
-                ["--cpu-offload-gb", "1"],
-                "weight offloading yet",
-                None,
-                "Set --cpu-offload-gb 0",
-                "",
-            ),
-            (
-                "embedding",
-                ["--is-embedding"],
-                "embedding models yet",
-                None,
-                "Drop --is-embedding",
-                "",
-            ),
-            (
-                "ep-size",
-                ["--ep-size", "2"],
-                "expert parallelism yet",
-                None,
-                "Set --ep-size 1",
-                "Helix MoE models are verified with the experts sharded as plain TP shards them",
-            ),
-            (
-                "quantization-awq",
-                ["--quantization", "awq"],
-                "awq weights yet",
-                None,
-                _FP8_FIX,
-                "",
-            ),
-            (
-                "quantization-w8a8-int8",
-                ["--quantization", "w8a8_int8"],
-                "w8a8_int8 weights yet",
-                None,
-                _FP8_FIX,
-                "",
-            ),
-            (
-                "modelopt",
-                ["--modelopt-quant", "fp8"],
-                "ModelOpt quantization yet",
-                None,
-                "Drop --modelopt-quant",
-                "",
-            ),
-            (
-                "kv-nvfp4",
-                ["--kv-cache-dtype", "nvfp4"],
-                "block-scaled KV cache recipes yet",
-                None,
-                "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2",
-                "",
-            ),
-            (
-                "kv-mxfp8",
-                ["--kv-cache-dtype", "mxfp8"],
-                "block-scaled KV cache recipes yet",
-                None,
-                "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2",
-                "",
-            ),
+            ("decoupled-spec", ["--decoupled-spec-role", "verifier"], "decoupled speculative decoding yet",
+             None, "Drop --decoupled-spec-role", ""),
+            ("flexkv", ["--enable-flexkv"], "prefix-cache extensions", None, "Drop --enable-flexkv",
+             "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
+            ("session-radix", ["--enable-session-radix-cache"], "prefix-cache extensions", None,
+             "Drop --enable-session-radix-cache", "other tree backends, host or remote KV tiers and sessions are not verified with the sequence-sharded pool"),
+            ("streaming-session", ["--enable-streaming-session"], "prefix-cache extensions", None,
+             "Drop --enable-streaming-session", "a session's next request reuses its KV as a prefix"),
+            ("unified-memory", ["--enable-unified-memory"], "the unified memory pool", None,
+             "Drop --enable-unified-memory", "Helix shards the per-layer KV pool by rows"),
+            ("page-major-kv", ["--enable-page-major-kv-layout"], "the unified memory pool", None,
+             "Drop --enable-page-major-kv-layout", "Helix shards the per-layer KV pool by rows"),
+            ("hisparse", ["--enable-hisparse"], "hierarchical sparse attention", None,
+             "Drop --enable-hisparse", ""),
+            ("kv-canary", ["--kv-canary", "log"], "the KV cache canary", None, "Drop --kv-canary",
+             "it reads the KV pool by allocator id, and Helix ids are not rows"),
+            ("mixed-chunk", ["--enable-mixed-chunk"], "mixed chunked prefill yet", None,
+             "Drop --enable-mixed-chunk", ""),
+            ("two-batch-overlap", ["--enable-two-batch-overlap"], "attention-backend wrappers", None,
+             "Drop --enable-two-batch-overlap", _WRAPPED),
+            ("pdmux", ["--enable-pdmux"], "attention-backend wrappers", None, "Drop --enable-pdmux", _WRAPPED),
+            ("megakernel", ["--enable-nvidia-megakernel"], "decode megakernels", None,
+             "Drop --enable-nvidia-megakernel", "they replace the decode forward, Helix attention included"),
+            ("mis", ["--enable-mis"], "multi-item scoring", None, "Drop --enable-mis",
+             "the Helix attention does not apply its attention mask"),
+            ("dllm", ["--dllm-algorithm", "LowConfidence"], "diffusion LLM inference", None,
+             "Drop --dllm-algorithm", ""),
+            ("layernorm-sp", ["--enable-layernorm-sp"], "sequence-parallel attention input", None,
+             "Drop --enable-layernorm-sp", "the Helix attention needs every token on every rank"),
+            ("attn-input-scattered", ["--enable-attn-tp-input-scattered"], "sequence-parallel attention input",
+             None, "Drop --enable-attn-tp-input-scattered", "the Helix attention needs every token on every rank"),
+            ("torch-compile", ["--enable-torch-compile"], "torch.compile yet", None,
+             "Drop --enable-torch-compile", "the KVP All-to-All is not captured yet"),
+            ("deterministic", ["--enable-deterministic-inference"], "deterministic inference yet", None,
+             "Drop --enable-deterministic-inference",
+             "batch invariance of the Helix attention and merge is not verified"),
+            ("offload", ["--cpu-offload-gb", "1"], "weight offloading yet", None, "Set --cpu-offload-gb 0", ""),
+            ("embedding", ["--is-embedding"], "embedding models yet", None, "Drop --is-embedding", ""),
+            ("ep-size", ["--ep-size", "2"], "expert parallelism yet", None, "Set --ep-size 1",
+             "Helix MoE models are verified with the experts sharded as plain TP shards them"),
+            ("quantization-awq", ["--quantization", "awq"], "awq weights yet", None, _FP8_FIX, ""),
+            ("quantization-w8a8-int8", ["--quantization", "w8a8_int8"], "w8a8_int8 weights yet", None, _FP8_FIX, ""),
+            ("modelopt", ["--modelopt-quant", "fp8"], "ModelOpt quantization yet", None, "Drop --modelopt-quant", ""),
+            ("kv-nvfp4", ["--kv-cache-dtype", "nvfp4"], "block-scaled KV cache recipes yet", None,
+             "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2", ""),
+            ("kv-mxfp8", ["--kv-cache-dtype", "mxfp8"], "block-scaled KV cache recipes yet", None,
+             "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2", ""),
         ]
     },
 }
@@ -664,9 +423,7 @@ UNSUPPORTED = {
 @pytest.mark.parametrize("case", list(UNSUPPORTED))
 def test_unsupported_combination(model, case):
     extra, message = UNSUPPORTED[case]
-    assert (
-        helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *extra]) == message
-    )
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *extra]) == message
 
 
 @pytest.mark.parametrize(
@@ -700,20 +457,7 @@ def test_final_values_are_checked(model, field, value, message):
     name = "handle_model_capability_adjustments"
     resolution_hooks.register_resolution_hook(name)(late_change)
     try:
-        assert (
-            helix_error(
-                model(),
-                [
-                    "--tp",
-                    "4",
-                    "--helix-kvp-size",
-                    "2",
-                    "--attention-backend",
-                    "torch_native",
-                ],
-            )
-            == message
-        )
+        assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "torch_native"]) == message
     finally:
         resolution_hooks._HOOKS[name].remove(late_change)
         if not resolution_hooks._HOOKS[name]:
@@ -738,23 +482,15 @@ def test_helix_keeps_the_radix_cache_and_decode_cuda_graphs(model):
 
     with helix_log() as records:
         cfg = view(resolve(model(), [*args, "--helix-kvp-size", "2"]))
-    assert (
-        cfg.disable_radix_cache is False
-    )  # prefix reuse in whole KV pages (test_helix_prefix_cache.py)
+    assert cfg.disable_radix_cache is False  # prefix reuse in whole KV pages (test_helix_prefix_cache.py)
     assert cfg.disable_cuda_graph is False
-    assert (
-        cfg.cuda_graph_config.decode.backend == plain.cuda_graph_config.decode.backend
-    )
+    assert cfg.cuda_graph_config.decode.backend == plain.cuda_graph_config.decode.backend
     assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert (
-        warnings
-        == [
-            "Helix parallelism (--helix-kvp-size 2): disabling prefill CUDA graphs (the extend lists are sized "
-            "on the host); decode graphs stay on."
-        ]
-        * prefill_on
-    )
+    assert warnings == [
+        "Helix parallelism (--helix-kvp-size 2): disabling prefill CUDA graphs (the extend lists are sized "
+        "on the host); decode graphs stay on."
+    ] * prefill_on
 
 
 def test_disable_cuda_graph_turns_helix_decode_graphs_off(model):
@@ -763,10 +499,7 @@ def test_disable_cuda_graph_turns_helix_decode_graphs_off(model):
     cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton",
                                  "--disable-cuda-graph"]))  # fmt: skip
     assert cfg.disable_cuda_graph is True
-    assert (
-        cfg.cuda_graph_config is None
-        or cfg.cuda_graph_config.decode.backend == Backend.DISABLED
-    )
+    assert cfg.cuda_graph_config is None or cfg.cuda_graph_config.decode.backend == Backend.DISABLED
 
 
 def test_no_warning_when_already_off(model):
@@ -783,22 +516,12 @@ def test_flags_resolve_into_dcp_and_default_backend(model):
     with helix_log() as records:
         server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2"])
     cfg = view(server_args)
-    assert (
-        cfg.dcp_size,
-        cfg.dcp_comm_backend,
-        cfg.dcp_replicate_q_proj,
-        cfg.dcp_interleave_size,
-    ) == (2, "a2a", True, 64)
-    assert (
-        cfg.page_size == 64
-    )  # DCP allocates in pages of page x dcp_size: one chunk per rank
+    assert (cfg.dcp_size, cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj, cfg.dcp_interleave_size) == (2, "a2a", True, 64)
+    assert cfg.page_size == 64  # DCP allocates in pages of page x dcp_size: one chunk per rank
     assert server_args.dcp_size == 1  # the raw input is kept; the 2 is a declaration
     assert cfg.attention_backend == "torch_native"  # --device cpu; triton elsewhere
     messages = [r.getMessage() for r in records]
-    assert (
-        "Helix parallelism: attention backend not specified; using torch_native."
-        in messages
-    )
+    assert "Helix parallelism: attention backend not specified; using torch_native." in messages
     assert (
         "Helix parallelism: --helix-kvp-size 2 --helix-kvp-chunk-size 64 resolves to --dcp-size 2 "
         "--dcp-comm-backend a2a --dcp-replicate-q-proj --dcp-interleave-size 64 (TPA = --tp 4 / 2 = 2)."
@@ -816,19 +539,12 @@ RESOLVED_FIELDS = (
 def test_both_spellings_resolve_the_same(model, chunk):
     """``--helix-kvp-size K --helix-kvp-chunk-size C`` and ``--dcp-size K --dcp-comm-backend a2a
     --dcp-replicate-q-proj --dcp-interleave-size C`` on a GQA model are one server."""
-    helix = view(
-        resolve(
-            model(),
-            ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk],
-        )
-    )
+    helix = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk]))
     dcp = view(resolve(model(), [
         "--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj",
         "--dcp-interleave-size", chunk,
     ]))  # fmt: skip
-    assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {
-        f: getattr(helix, f) for f in RESOLVED_FIELDS
-    }
+    assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {f: getattr(helix, f) for f in RESOLVED_FIELDS}
     assert gqa_mode(helix) and gqa_mode(dcp) and helix.dcp_size == 2
 
 
@@ -841,9 +557,7 @@ def test_dcp_spelling_refusals_name_the_dcp_flags(model):
         "--dcp-size 2 --dcp-replicate-q-proj does not support pipeline parallelism yet (--pp-size 2). "
         "Set --pp-size 1, or drop --dcp-replicate-q-proj."
     )
-    message = helix_error(
-        model(), ["--tp", "4", "--dcp-size", "3", "--dcp-replicate-q-proj"]
-    )
+    message = helix_error(model(), ["--tp", "4", "--dcp-size", "3", "--dcp-replicate-q-proj"])
     assert message == (
         "--dcp-size 3 does not divide --tp 4: Helix arranges the --tp ranks as a KVP x TPA grid. "
         "Use --dcp-size 2 or 4, or drop --dcp-replicate-q-proj."
@@ -851,9 +565,7 @@ def test_dcp_spelling_refusals_name_the_dcp_flags(model):
 
 
 def test_interleave_needs_the_gqa_mode(model):
-    assert helix_error(
-        model(), ["--tp", "4", "--dcp-size", "2", "--dcp-interleave-size", "4"]
-    ) == (
+    assert helix_error(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-interleave-size", "4"]) == (
         "--dcp-interleave-size 4 needs DCP's GQA mode (--dcp-size > 1 --dcp-replicate-q-proj on a GQA "
         "model). Drop --dcp-interleave-size."
     )
@@ -871,9 +583,7 @@ PLATFORM_DEFAULTS = {
 
 
 @pytest.mark.parametrize("platform", list(PLATFORM_DEFAULTS))
-def test_replicated_q_without_an_exchange_is_the_gqa_mode_on_every_platform(
-    model, monkeypatch, platform
-):
+def test_replicated_q_without_an_exchange_is_the_gqa_mode_on_every_platform(model, monkeypatch, platform):
     """``--dcp-size 2 --dcp-replicate-q-proj`` with no ``--dcp-comm-backend`` on a GQA model is the
     server ``--helix-kvp-size 2 --helix-kvp-chunk-size 1`` starts, whatever exchange DCP's default
     would pick on the platform (fi_a2a on Blackwell, a2a on CUDA/HIP/XPU, ag_rs on the CPU, where
@@ -883,62 +593,27 @@ def test_replicated_q_without_an_exchange_is_the_gqa_mode_on_every_platform(
     (cuda, hip, xpu, fi_a2a), default = PLATFORM_DEFAULTS[platform]
     comm_backend_default = parallel_hook._dcp_comm_backend_default
 
-    def on_platform(
-        view,
-    ):  # DCP's default exchange as that platform picks it (only there: the rest is the CPU's)
+    def on_platform(view):  # DCP's default exchange as that platform picks it (only there: the rest is the CPU's)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(
-                overrides,
-                "get_platform",
-                lambda: SimpleNamespace(is_cuda=cuda, is_hip=hip, is_xpu=xpu),
-            )
+            mp.setattr(overrides, "get_platform", lambda: SimpleNamespace(is_cuda=cuda, is_hip=hip, is_xpu=xpu))
             mp.setattr(overrides, "is_fi_a2a_supported", lambda **_: fi_a2a)
             return comm_backend_default(view)
 
     monkeypatch.setattr(parallel_hook, "_dcp_comm_backend_default", on_platform)
-    plain = SimpleNamespace(
-        dcp_comm_backend=None, dcp_size=2, tp_size=4, pp_size=1, nnodes=1
-    )  # --dcp-size 2
-    assert on_platform(plain) == {
-        "dcp_comm_backend": default
-    }  # what plain DCP gets there
-    dcp = view(
-        resolve(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-replicate-q-proj"])
-    )
-    helix = view(
-        resolve(
-            model(),
-            ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "1"],
-        )
-    )
-    assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {
-        f: getattr(helix, f) for f in RESOLVED_FIELDS
-    }
-    assert (gqa_mode(dcp), dcp.dcp_comm_backend, dcp.dcp_replicate_q_proj) == (
-        True,
-        "a2a",
-        True,
-    )
+    plain = SimpleNamespace(dcp_comm_backend=None, dcp_size=2, tp_size=4, pp_size=1, nnodes=1)  # --dcp-size 2
+    assert on_platform(plain) == {"dcp_comm_backend": default}  # what plain DCP gets there
+    dcp = view(resolve(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-replicate-q-proj"]))
+    helix = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "1"]))
+    assert {f: getattr(dcp, f) for f in RESOLVED_FIELDS} == {f: getattr(helix, f) for f in RESOLVED_FIELDS}
+    assert (gqa_mode(dcp), dcp.dcp_comm_backend, dcp.dcp_replicate_q_proj) == (True, "a2a", True)
 
 
 def test_replicated_q_with_an_all_to_all_named_is_the_gqa_mode(model):
     """``--dcp-comm-backend a2a`` named with ``--dcp-replicate-q-proj`` on a GQA model: the GQA
     mode too, so the Triton backend has one replicated-Q path."""
-    args = [
-        "--tp",
-        "4",
-        "--dcp-size",
-        "2",
-        "--dcp-comm-backend",
-        "a2a",
-        "--dcp-replicate-q-proj",
-    ]
+    args = ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--dcp-replicate-q-proj"]
     cfg = view(resolve(model(), args))
-    assert (gqa_mode(cfg), cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (
-        True,
-        "a2a",
-        True,
-    )
+    assert (gqa_mode(cfg), cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (True, "a2a", True)
 
 
 SPELLINGS = {
@@ -948,47 +623,24 @@ SPELLINGS = {
 
 
 @pytest.mark.parametrize("spelling", list(SPELLINGS))
-def test_fi_a2a_named_is_kept_in_both_spellings_and_refused_off_cuda_as_upstream(
-    model, monkeypatch, spelling
-):
+def test_fi_a2a_named_is_kept_in_both_spellings_and_refused_off_cuda_as_upstream(model, monkeypatch, spelling):
     """``--dcp-comm-backend fi_a2a`` named with either spelling of the mode is the mode with
-    FlashInfer's exchange; off CUDA upstream DCP's own check refuses it, with its message.
-    """
+    FlashInfer's exchange; off CUDA upstream DCP's own check refuses it, with its message."""
     from sglang.srt.arg_groups import parallel_hook
 
     args = ["--tp", "4", *SPELLINGS[spelling], "--dcp-comm-backend", "fi_a2a"]
-    with pytest.raises(
-        ValueError,
-        match="--dcp-comm-backend fi_a2a delegates the exchange to FlashInfer",
-    ):
+    with pytest.raises(ValueError, match="--dcp-comm-backend fi_a2a delegates the exchange to FlashInfer"):
         resolve(model(), args)
     cuda = SimpleNamespace(is_cuda=True, is_hip=False, is_xpu=False, is_npu=False)
     monkeypatch.setattr(parallel_hook, "get_platform", lambda: cuda)
     cfg = view(resolve(model(), args))
-    assert (gqa_mode(cfg), cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (
-        True,
-        "fi_a2a",
-        True,
-    )
+    assert (gqa_mode(cfg), cfg.dcp_comm_backend, cfg.dcp_replicate_q_proj) == (True, "fi_a2a", True)
 
 
 def test_replicated_q_with_another_exchange_stays_upstream(model):
     """An exchange the user names other than a2a is upstream DCP's (and its refusal on GQA)."""
-    with pytest.raises(
-        ValueError, match="--dcp-replicate-q-proj only applies to the a2a/fi_a2a"
-    ):
-        resolve(
-            model(),
-            [
-                "--tp",
-                "4",
-                "--dcp-size",
-                "2",
-                "--dcp-comm-backend",
-                "ag_rs",
-                "--dcp-replicate-q-proj",
-            ],
-        )
+    with pytest.raises(ValueError, match="--dcp-replicate-q-proj only applies to the a2a/fi_a2a"):
+        resolve(model(), ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "ag_rs", "--dcp-replicate-q-proj"])
 
 
 def test_plain_dcp_stays_upstream(model):
@@ -999,31 +651,12 @@ def test_plain_dcp_stays_upstream(model):
 
 def test_split_backend_flag_names_the_default(model):
     """With only --prefill-attention-backend (or --decode-...) given, the backend Helix picks for
-    the other phase is that one, not the platform default: one backend runs both phases.
-    """
-    cfg = view(
-        resolve(
-            model(),
-            [
-                "--tp",
-                "4",
-                "--helix-kvp-size",
-                "2",
-                "--prefill-attention-backend",
-                "triton",
-            ],
-        )
-    )
-    assert (
-        cfg.attention_backend,
-        cfg.prefill_attention_backend,
-        cfg.decode_attention_backend,
-    ) == ("triton", "triton", None)
+    the other phase is that one, not the platform default: one backend runs both phases."""
+    cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--prefill-attention-backend", "triton"]))
+    assert (cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend) == ("triton", "triton", None)
 
 
-def _with_quantization_config(
-    model_path: str, out: str, quantization_config: dict
-) -> str:
+def _with_quantization_config(model_path: str, out: str, quantization_config: dict) -> str:
     import shutil
 
     shutil.copytree(model_path, out)
@@ -1037,26 +670,11 @@ def _with_quantization_config(
 
 def _ct(weights: dict) -> dict:  # a compressed-tensors config of one scheme
     group = {"targets": ["Linear"], "weights": weights, "input_activations": None}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "config_groups": {"group_0": group},
-    }
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
 
 
-_FP8_CHANNEL = {
-    "num_bits": 8,
-    "type": "float",
-    "strategy": "channel",
-    "symmetric": True,
-}
-_FP8_BLOCK = {
-    "num_bits": 8,
-    "type": "float",
-    "strategy": "block",
-    "block_structure": [128, 128],
-    "symmetric": True,
-}
+_FP8_CHANNEL = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+_FP8_BLOCK = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True}
 
 
 @pytest.mark.parametrize("quantization_config", [
@@ -1066,20 +684,9 @@ _FP8_BLOCK = {
 def test_fp8_checkpoint_is_served(model, tmp_path, quantization_config):
     """FP8 checkpoints (SGLang fp8, compressed-tensors FP8) run under the mode (served:
     test_helix_fp8.py); so does --quantization fp8 on a bf16 checkpoint."""
-    path = _with_quantization_config(
-        model(), str(tmp_path / "fp8"), quantization_config
-    )
-    assert (
-        view(resolve(path, ["--tp", "4", "--helix-kvp-size", "2"])).helix_kvp_size == 2
-    )
-    assert (
-        view(
-            resolve(
-                model(), ["--tp", "4", "--helix-kvp-size", "2", "--quantization", "fp8"]
-            )
-        ).quantization
-        == "fp8"
-    )
+    path = _with_quantization_config(model(), str(tmp_path / "fp8"), quantization_config)
+    assert view(resolve(path, ["--tp", "4", "--helix-kvp-size", "2"])).helix_kvp_size == 2
+    assert view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--quantization", "fp8"])).quantization == "fp8"
 
 
 @pytest.mark.parametrize("method,what", [
@@ -1096,40 +703,22 @@ def test_non_fp8_checkpoint_is_refused_in_one_line(model, tmp_path, method, what
 
     out = str(tmp_path / method)
     if method == "ct-int4":
-        path = _with_quantization_config(
-            model(),
-            out,
-            _ct(
-                {
-                    "num_bits": 4,
-                    "type": "int",
-                    "strategy": "group",
-                    "group_size": 128,
-                    "symmetric": True,
-                }
-            ),
-        )
+        path = _with_quantization_config(model(), out, _ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}))
     else:
         path = write_int4_config_checkpoint(model(), out, method)
     quant = "compressed-tensors" if method == "ct-int4" else method
-    assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == _unsupported(
-        what, f"--model-path {path} is {quant}-quantized", _FP8_FIX
-    )
+    assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == _unsupported(what, f"--model-path {path} is {quant}-quantized", _FP8_FIX)
 
 
 @pytest.mark.parametrize("quantization_config", [
     {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     _ct(_FP8_BLOCK),
 ], ids=["fp8-block", "ct-fp8-block"])  # fmt: skip
-def test_misaligned_fp8_block_is_refused_in_one_line(
-    model, tmp_path, quantization_config
-):
+def test_misaligned_fp8_block_is_refused_in_one_line(model, tmp_path, quantization_config):
     """A block-wise checkpoint whose qkv_proj shard at TPA is not whole 128-row blocks (here: head
     dim 16, 4 query / 2 KV heads per TPA rank) cannot be served: upstream would floor-divide the
     block offsets and give a rank another shard's scales."""
-    path = _with_quantization_config(
-        model(), str(tmp_path / "block"), quantization_config
-    )
+    path = _with_quantization_config(model(), str(tmp_path / "block"), quantization_config)
     method = quantization_config["quant_method"]
     assert helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"]) == (
         f"--helix-kvp-size 2: --model-path {path} is {method}-quantized in 128-row blocks, but at TPA = --tp 4 / "
@@ -1174,9 +763,7 @@ def test_smollm2_block_fp8_is_refused_in_one_line(tmp_path):
     (6, 3, 128, 3, 3),  # padded for --tp 3 to 192 (the heads for TPA 1): accepted, no longer refused
 ])  # fmt: skip
 def test_cpu_mlp_is_padded_for_tp(model, q, k, inter, tp, kvp):
-    resolve(
-        model(q, k, inter), ["--tp", str(tp), "--helix-kvp-size", str(kvp)]
-    )  # no error
+    resolve(model(q, k, inter), ["--tp", str(tp), "--helix-kvp-size", str(kvp)])  # no error
 
 
 # --------------------------------------------------------------------------------------------
@@ -1203,26 +790,13 @@ def upstream_chunked_prefill(model):
     return get
 
 
-@pytest.mark.parametrize(
-    "kvp,chunk,cpp",
-    PAGE_TABLE,
-    ids=[f"kvp{k}-chunk{c}-cpp{p}" for k, c, p in PAGE_TABLE],
-)
+@pytest.mark.parametrize("kvp,chunk,cpp", PAGE_TABLE, ids=[f"kvp{k}-chunk{c}-cpp{p}" for k, c, p in PAGE_TABLE])
 def test_page_multiples_resolve(model, upstream_chunked_prefill, kvp, chunk, cpp):
     """Every (KVP, chunk, chunked prefill) resolves to sizes the pipeline and check_server_args
     accept (it asserted ``chunked_prefill_size % page_size == 0`` for any page that did not divide
     the chunk: 128 at KVP 4, the default at KVP 3 or 6 or chunk 96)."""
-    path = model(
-        24, 4, 192
-    )  # Q and intermediate_size divisible by every --tp here; TPA = 1
-    args = [
-        "--tp",
-        str(kvp),
-        "--helix-kvp-size",
-        str(kvp),
-        "--helix-kvp-chunk-size",
-        str(chunk),
-    ]
+    path = model(24, 4, 192)  # Q and intermediate_size divisible by every --tp here; TPA = 1
+    args = ["--tp", str(kvp), "--helix-kvp-size", str(kvp), "--helix-kvp-chunk-size", str(chunk)]
     if cpp is not None:
         args += ["--chunked-prefill-size", str(cpp)]
     server_args = resolve(path, args)
@@ -1235,41 +809,23 @@ def test_page_multiples_resolve(model, upstream_chunked_prefill, kvp, chunk, cpp
         assert cfg.chunked_prefill_size == -1  # disabled stays disabled
     else:
         assert cfg.chunked_prefill_size == max(page, given // page * page)
-    assert (
-        cfg.max_prefill_tokens == 16384
-    )  # upstream's: it admits the same batches either way
+    assert cfg.max_prefill_tokens == 16384  # upstream's: it admits the same batches either way
 
 
 def test_page_multiples_are_logged(model):
     with helix_log() as records:
         cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--chunked-prefill-size", "100",
                                      "--max-prefill-tokens", "1000"]))  # fmt: skip
-    assert (cfg.page_size, cfg.chunked_prefill_size, cfg.max_prefill_tokens) == (
-        64,
-        256,
-        1000,
-    )
+    assert (cfg.page_size, cfg.chunked_prefill_size, cfg.max_prefill_tokens) == (64, 256, 1000)
     page = "the Helix KV page (--helix-kvp-chunk-size 64 x --helix-kvp-size 4 = 256 tokens)"
     infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
-    assert (
-        f"Helix parallelism: --chunked-prefill-size 100 -> 256, a multiple of {page}: a prefill chunk must hold at least one page."
-        in infos
-    )
+    assert f"Helix parallelism: --chunked-prefill-size 100 -> 256, a multiple of {page}: a prefill chunk must hold at least one page." in infos
     with helix_log() as records:
-        cfg = view(
-            resolve(
-                model(),
-                ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "96"],
-            )
-        )
+        cfg = view(resolve(model(), ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "96"]))
     assert cfg.chunked_prefill_size % 192 == 0
     page = "the Helix KV page (--helix-kvp-chunk-size 96 x --helix-kvp-size 2 = 192 tokens)"
-    down = [
-        r.getMessage() for r in records if "--chunked-prefill-size" in r.getMessage()
-    ]
-    assert down == [
-        f"Helix parallelism: --chunked-prefill-size 4096 -> 4032, a multiple of {page}: the scheduler cuts prefill chunks at page boundaries."
-    ]
+    down = [r.getMessage() for r in records if "--chunked-prefill-size" in r.getMessage()]
+    assert down == [f"Helix parallelism: --chunked-prefill-size 4096 -> 4032, a multiple of {page}: the scheduler cuts prefill chunks at page boundaries."]
 
 
 def test_page_multiples_final_values(model):
@@ -1295,52 +851,33 @@ def test_page_multiples_final_values(model):
 
 
 def test_max_total_tokens_below_one_page(model):
-    assert helix_error(
-        model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "200"]
-    ) == (
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "200"]) == (
         "--max-total-tokens 200 is less than one Helix KV page (--helix-kvp-chunk-size "
         "64 x --helix-kvp-size 4 = 256 tokens), in which each rank's KV rows are allocated. Pass "
         "--max-total-tokens 256 or more, or a smaller "
         "--helix-kvp-chunk-size, or use --helix-kvp-size 1."
     )
-    resolve(
-        model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "256"]
-    )
+    resolve(model(), ["--tp", "4", "--helix-kvp-size", "4", "--max-total-tokens", "256"])
 
 
 def test_accessors_and_published_parallel(model):
     from sglang.srt.arg_groups.helix_hook import dcp_gqa_mode
     from sglang.srt.runtime_context import create_context
 
-    on = resolve(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "128"]
-    )
+    on = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", "128"])
     off = resolve(model(), ["--tp", "4"])
     assert dcp_gqa_mode(view(on)) and not dcp_gqa_mode(view(off))
 
     parallel = create_context(on, role="test").parallel
     assert parallel.dcp_gqa_mode is True
     # The runtime reads DCP's fields: group width, exchange, interleave (no Helix group or ranks).
-    assert (
-        parallel.dcp_size,
-        parallel.attn_dcp_size,
-        parallel.dcp_interleave_size,
-    ) == (2, 2, 128)
+    assert (parallel.dcp_size, parallel.attn_dcp_size, parallel.dcp_interleave_size) == (2, 2, 128)
     assert (parallel.dcp_comm_backend, parallel.dcp_replicate_q_proj) == ("a2a", True)
-    for gone in (
-        "helix_tpa_size",
-        "helix_kvp_rank",
-        "helix_tpa_rank",
-        "helix_kvp_group",
-    ):
+    for gone in ("helix_tpa_size", "helix_kvp_rank", "helix_tpa_rank", "helix_kvp_group"):
         assert not hasattr(parallel, gone), gone
     parallel = create_context(off, role="test").parallel
     assert parallel.dcp_gqa_mode is False
-    assert (
-        parallel.helix_kvp_size,
-        parallel.dcp_size,
-        parallel.dcp_interleave_size,
-    ) == (1, 1, 1)
+    assert (parallel.helix_kvp_size, parallel.dcp_size, parallel.dcp_interleave_size) == (1, 1, 1)
 
 
 @pytest.mark.parametrize(
@@ -1350,27 +887,17 @@ def test_accessors_and_published_parallel(model):
 )
 def test_kvp1_resolves_like_upstream(model, monkeypatch, helix_args):
     """With --helix-kvp-size 1 the resolved ServerArgs equal those of the pipeline without the
-    Helix step (upstream's: the series changes nothing else in resolution), helix fields aside.
-    """
+    Helix step (upstream's: the series changes nothing else in resolution), helix fields aside."""
     from sglang.srt.arg_groups import helix_hook
 
-    args = [
-        "--tp",
-        "4",
-        "--attention-backend",
-        "triton",
-        "--random-seed",
-        "1",
-    ]  # else it is random
+    args = ["--tp", "4", "--attention-backend", "triton", "--random-seed", "1"]  # else it is random
     helix = resolve(model(), args + helix_args)
     assert [src for src, _ in helix._resolved_overrides if src == HOOK_SOURCE] == []
 
     def handle_helix_parallelism(server_args):  # the pipeline without the Helix step
         pass
 
-    monkeypatch.setattr(
-        helix_hook, "handle_helix_parallelism", handle_helix_parallelism
-    )
+    monkeypatch.setattr(helix_hook, "handle_helix_parallelism", handle_helix_parallelism)
     upstream = resolve(model(), args)
 
     def strip(d):
@@ -1389,9 +916,7 @@ def test_help_documents_flags(capsys):
     for flag in ("--helix-kvp-size HELIX_KVP_SIZE", "--helix-kvp-chunk-size HELIX_KVP_CHUNK_SIZE",
                  "--dcp-interleave-size DCP_INTERLEAVE_SIZE"):  # fmt: skip
         assert f"  {flag}\n" in out  # a documented option, not only the usage line
-    assert (
-        "--helix-enable-cuda-graph" not in out
-    )  # decode graphs are on by default, as DCP's
+    assert "--helix-enable-cuda-graph" not in out  # decode graphs are on by default, as DCP's
 
     def squeeze(text):  # argparse wraps help text at any space or hyphen
         return "".join(text.split())
@@ -1431,16 +956,7 @@ def test_help_documents_flags(capsys):
 )
 def test_launch_server_fails_fast_without_traceback(model, spec, args, message):
     path = model(*spec)
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        path,
-        "--device",
-        "cpu",
-        *args,
-    ]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--device", "cpu", *args]
     proc = subprocess.run(
         cmd, env=cpu_server_env(4), capture_output=True, text=True, timeout=180,
         stdin=subprocess.DEVNULL,
@@ -1460,23 +976,10 @@ def test_an_upstream_argument_error_is_a_usage_error_not_a_traceback(model):
                           stdin=subprocess.DEVNULL)  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in output, output
-    assert (
-        "sglang serve: error: Decode context parallel size (--dcp-size / --decode-context-parallel-size) must be >= 1, but got dcp_size=0."
-        in proc.stderr.splitlines()
-    ), output
+    assert "sglang serve: error: Decode context parallel size (--dcp-size / --decode-context-parallel-size) must be >= 1, but got dcp_size=0." in proc.stderr.splitlines(), output
 
 
-@pytest.mark.parametrize(
-    "chunk,kvp,ok",
-    [
-        (64, 2, True),
-        (64, 4, True),
-        (1, 8, True),
-        (64, 3, False),
-        (96, 2, False),
-        (48, 4, False),
-    ],
-)
+@pytest.mark.parametrize("chunk,kvp,ok", [(64, 2, True), (64, 4, True), (1, 8, True), (64, 3, False), (96, 2, False), (48, 4, False)])
 def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     """Off the CPU the paged allocator's Triton kernels take ``tl.arange(0, page_size)``: a page of
     chunk x KVP that is not a power of two would crash the first prefill on a GPU. The CPU engine
@@ -1487,33 +990,23 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
 
     cfg = SimpleNamespace(device="cuda", dcp_interleave_size=chunk, dcp_size=kvp, tp_size=kvp * 2, page_size=chunk,
                           max_total_tokens=None, chunked_prefill_size=None, _raw_input={"helix_kvp_size": kvp})  # fmt: skip
-    _resolve_kv_page(
-        None, SimpleNamespace(**{**vars(cfg), "device": "cpu"})
-    )  # never on CPU
+    _resolve_kv_page(None, SimpleNamespace(**{**vars(cfg), "device": "cpu"}))  # never on CPU
     if ok:
         _resolve_kv_page(None, cfg)
         return
     with pytest.raises(HelixConfigError) as info:
         _resolve_kv_page(None, cfg)
     msg = str(info.value)
-    assert msg.startswith(
-        f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {chunk * kvp}: on --device cuda"
-    )
+    assert msg.startswith(f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {chunk * kvp}: on --device cuda")
     assert ("power-of-two --helix-kvp-size" in msg) == (kvp == 3), msg
 
 
 def test_head_dim_the_exchange_cannot_take_is_refused_at_launch(tmp_path):
     """The All-to-All + LSE combine takes whole power-of-two head rows: a head dim of 24 is
-    refused by the resolution step, naming the flag and the value, not at the first forward.
-    """
-    path = write_tiny_model(
-        str(tmp_path / "hd24"), TinyModelSpec(num_heads=8, num_kv_heads=4, head_dim=24)
-    )
+    refused by the resolution step, naming the flag and the value, not at the first forward."""
+    path = write_tiny_model(str(tmp_path / "hd24"), TinyModelSpec(num_heads=8, num_kv_heads=4, head_dim=24))
     msg = helix_error(path, ["--tp", "4", "--helix-kvp-size", "2"])
-    assert (
-        "--helix-kvp-size 2 needs power-of-two attention head dims" in msg
-        and "head_dim 24" in msg
-    )
+    assert "--helix-kvp-size 2 needs power-of-two attention head dims" in msg and "head_dim 24" in msg
     resolve(path, ["--tp", "4"])  # Helix off: upstream's
 
 
@@ -1531,9 +1024,7 @@ def _spec(draft: str, topk: int = 1, steps: int = 3) -> list:
 def test_standalone_chain_on_torch_native_is_accepted(model):
     """The supported case resolves: the target as its own draft, a chain, torch_native (the
     CPU default under Helix)."""
-    server_args = resolve(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model())]
-    )
+    server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model())])
     cfg = view(server_args)
     assert cfg.speculative_algorithm == "STANDALONE" and cfg.speculative_eagle_topk == 1
     assert cfg.attention_backend == "torch_native" and cfg.helix_kvp_size == 2
@@ -1542,83 +1033,35 @@ def test_standalone_chain_on_torch_native_is_accepted(model):
 @pytest.mark.parametrize("draft_backend", [None, "triton", "torch_native"])
 def test_standalone_chain_on_triton_is_accepted(model, draft_backend):
     """Triton serves it too, the draft on either Helix backend."""
-    extra = (
-        []
-        if draft_backend is None
-        else ["--speculative-draft-attention-backend", draft_backend]
-    )
-    server_args = resolve(
-        model(),
-        [
-            "--tp",
-            "4",
-            "--helix-kvp-size",
-            "2",
-            "--attention-backend",
-            "triton",
-            *_spec(model()),
-            *extra,
-        ],
-    )
+    extra = [] if draft_backend is None else ["--speculative-draft-attention-backend", draft_backend]
+    server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton", *_spec(model()), *extra])
     cfg = view(server_args)
-    assert (
-        cfg.attention_backend == "triton" and cfg.speculative_algorithm == "STANDALONE"
-    )
+    assert cfg.attention_backend == "triton" and cfg.speculative_algorithm == "STANDALONE"
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
 def test_tree_drafts_are_accepted(model, backend):
     """Tree drafts (top-k > 1) resolve on both Helix backends, pages of chunk x KVP included
-    (upstream's paged tree drafting; torch_native joins its backends in the CPU speculative patch).
-    """
+    (upstream's paged tree drafting; torch_native joins its backends in the CPU speculative patch)."""
     server_args = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", backend,
                                     *_spec(model(), topk=2)])  # fmt: skip
     cfg = view(server_args)
-    assert (
-        cfg.speculative_eagle_topk,
-        cfg.speculative_num_draft_tokens,
-        cfg.attention_backend,
-    ) == (2, 6, backend)
+    assert (cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens, cfg.attention_backend) == (2, 6, backend)
     assert cfg.page_size > 1  # the Helix chunk: the paged tree layout
 
 
 def test_ngram_resolves_on_torch_native(model):
     """NGRAM (no draft model; its default breadth-10 trees) at the default chunk (page 64)."""
-    args = [
-        "--tp",
-        "4",
-        "--helix-kvp-size",
-        "2",
-        "--attention-backend",
-        "torch_native",
-        "--speculative-algorithm",
-        "NGRAM",
-    ]
+    args = ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "torch_native", "--speculative-algorithm", "NGRAM"]
     cfg = view(resolve(model(), args))
-    assert (cfg.speculative_algorithm, cfg.speculative_eagle_topk, cfg.page_size) == (
-        "NGRAM",
-        10,
-        64,
-    )
+    assert (cfg.speculative_algorithm, cfg.speculative_eagle_topk, cfg.page_size) == ("NGRAM", 10, 64)
 
 
 def test_ngram_trees_on_triton_are_upstreams_refusal(model):
     """On triton upstream's NGRAM check refuses trees on a paged pool (its verify's page tables); one
-    line naming both values, no traceback through launch_server (its usage-error patch).
-    """
-    args = [
-        "--tp",
-        "4",
-        "--helix-kvp-size",
-        "2",
-        "--attention-backend",
-        "triton",
-        "--speculative-algorithm",
-        "NGRAM",
-    ]
-    with pytest.raises(
-        ValueError, match=r"speculative_eagle_topk\(10\) > 1 with page_size\(64\) > 1"
-    ):
+    line naming both values, no traceback through launch_server (its usage-error patch)."""
+    args = ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton", "--speculative-algorithm", "NGRAM"]
+    with pytest.raises(ValueError, match=r"speculative_eagle_topk\(10\) > 1 with page_size\(64\) > 1"):
         resolve(model(), args)
 
 
@@ -1632,38 +1075,21 @@ def test_ngram_trees_on_triton_are_upstreams_refusal(model):
 )  # fmt: skip
 def test_speculative_refusals(model, extra, feature, given, fix, why):
     args = _spec(model())
-    message = helix_error(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", *args, *extra]
-    )
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *args, *extra])
     assert message == _unsupported(feature, given, fix, why)
 
 
 def test_speculation_keeps_decode_graphs(model):
     """Speculation keeps decode CUDA graphs on: the draft's decode steps are captured (their lists
-    fill in the graph); the verify and draft extend run eagerly (the draft-graph patch).
-    """
+    fill in the graph); the verify and draft extend run eagerly (the draft-graph patch)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     for topk in (1, 2):
-        args = [
-            "--tp",
-            "4",
-            "--helix-kvp-size",
-            "2",
-            *_spec(model(), topk),
-            "--attention-backend",
-            "triton",
-        ]
+        args = ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(), topk), "--attention-backend", "triton"]
         cfg = view(resolve(model(), args))
-        assert (
-            cfg.disable_cuda_graph is False
-            and cfg.cuda_graph_config.decode.backend != Backend.DISABLED
-        )
+        assert cfg.disable_cuda_graph is False and cfg.cuda_graph_config.decode.backend != Backend.DISABLED
         assert cfg.cuda_graph_config.prefill.backend == Backend.DISABLED
-        assert (cfg.speculative_algorithm, cfg.speculative_eagle_topk) == (
-            "STANDALONE",
-            topk,
-        )
+        assert (cfg.speculative_algorithm, cfg.speculative_eagle_topk) == ("STANDALONE", topk)
 
 
 @pytest.mark.parametrize(
@@ -1683,14 +1109,10 @@ def test_speculation_keeps_decode_graphs(model):
     ],
     ids=["adaptive", "draft-window", "attention-mode-decode", "multi-layer-eagle"],
 )  # fmt: skip
-def test_speculative_settings_refused_in_one_line(
-    model, extra, feature, given, fix, why
-):
+def test_speculative_settings_refused_in_one_line(model, extra, feature, given, fix, why):
     """Every speculative setting the Helix draft/verify path is not verified with is refused at
     launch, naming the flag (issue 33: "works under Helix (tested) or is refused")."""
-    message = helix_error(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model()), *extra]
-    )
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model()), *extra])
     assert message == _unsupported(feature, given, fix, why)
 
 
@@ -1704,17 +1126,9 @@ def test_speculative_draft_must_be_a_helix_model(model, tmp_path):
     config["architectures"] = ["LlamaForSequenceClassification"]
     with open(f"{draft}/config.json", "w") as f:
         json.dump(config, f)
-    message = helix_error(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(draft)]
-    )
-    assert (
-        "does not support this draft model yet (--speculative-draft-model-path"
-        in message
-    ), message
-    assert (
-        "Use a draft of a Helix architecture (" in message
-        and "LlamaForCausalLMEagle" in message
-    ), message
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(draft)])
+    assert "does not support this draft model yet (--speculative-draft-model-path" in message, message
+    assert "Use a draft of a Helix architecture (" in message and "LlamaForCausalLMEagle" in message, message
 
 
 def test_the_draft_config_is_read_once(model, tmp_path, monkeypatch):
@@ -1731,9 +1145,7 @@ def test_the_draft_config_is_read_once(model, tmp_path, monkeypatch):
         reads.append(str(path))
         return real(cls, path, *args, **kwargs)
 
-    monkeypatch.setattr(
-        transformers.AutoConfig, "from_pretrained", classmethod(counting)
-    )
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", classmethod(counting))
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     resolve(model(), ["--tp", "4", *_spec(draft)])
@@ -1746,9 +1158,7 @@ def test_the_draft_config_is_read_once(model, tmp_path, monkeypatch):
 
 def test_speculative_draft_heads_must_fit_the_grid(model):
     """The draft's heads are sharded over the same KVP x TPA grid: a 1-KV-head draft under TPA 2."""
-    message = helix_error(
-        model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(8, 1))]
-    )
+    message = helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", *_spec(model(8, 1))])
     assert message == (  # the target's head check, on the draft
         f"TPA = --tp 4 / --helix-kvp-size 2 = 2 exceeds the 1 KV heads of --speculative-draft-model-path "
         f"{model(8, 1)}: each attention-TP rank holds whole KV heads, none duplicated. Use --helix-kvp-size 4, "
@@ -1758,17 +1168,8 @@ def test_speculative_draft_heads_must_fit_the_grid(model):
 
 def test_pd_decode_is_accepted(model):
     """A Helix decode server of prefill/decode disaggregation over Mooncake resolves (test_helix_pd_e2e)."""
-    cfg = view(
-        resolve(
-            model(),
-            ["--tp", "4", "--helix-kvp-size", "2", "--disaggregation-mode", "decode"],
-        )
-    )
-    assert (
-        cfg.disaggregation_mode,
-        cfg.disaggregation_transfer_backend,
-        cfg.dcp_size,
-    ) == ("decode", "mooncake", 2)
+    cfg = view(resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--disaggregation-mode", "decode"]))
+    assert (cfg.disaggregation_mode, cfg.disaggregation_transfer_backend, cfg.dcp_size) == ("decode", "mooncake", 2)
 
 
 def test_the_speculative_step_checks_the_mode(model, monkeypatch):
@@ -1778,11 +1179,7 @@ def test_the_speculative_step_checks_the_mode(model, monkeypatch):
     from sglang.srt.arg_groups import helix_hook
 
     opted_in = helix_hook.helix_architectures
-    monkeypatch.setattr(
-        helix_hook,
-        "helix_architectures",
-        lambda drafts=False: opted_in() + ["Draft"] * drafts,
-    )
+    monkeypatch.setattr(helix_hook, "helix_architectures", lambda drafts=False: opted_in() + ["Draft"] * drafts)
     message = helix_error(model(), [
         "--tp", "4", "--helix-kvp-size", "2", *_spec(model()), "--speculative-draft-attention-backend", "flashinfer",
     ])  # fmt: skip
@@ -1806,10 +1203,7 @@ def test_the_helix_spelling_on_an_mla_model_is_refused(tmp_path):
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.save_pretrained(str(tmp_path))
     for chunk in ("64", "1"):
-        message = helix_error(
-            str(tmp_path),
-            ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk],
-        )
+        message = helix_error(str(tmp_path), ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk])
         assert message == (
             f"--helix-kvp-size 2 is DCP's GQA mode, but --model-path {tmp_path} is MLA. Use --dcp-size 2 "
             "--dcp-replicate-q-proj (upstream DCP's replicated Q for MLA), or use --helix-kvp-size 1."
