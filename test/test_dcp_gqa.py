@@ -53,11 +53,12 @@ def test_dcp_kv_partition(tp, dcp, monkeypatch):
 
 @pytest.mark.parametrize("tp,dcp,replicate", [(4, 1, True), (4, 2, False), (4, 2, True), (8, 4, True)])
 def test_dcp_q_partition(tp, dcp, replicate, monkeypatch):
-    """``--dcp-replicate-q-proj``: Q sharded like K/V (over tp / dcp, replicated inside each DCP
-    group), the group's heads on every rank; otherwise Q over tp (upstream's layer)."""
+    """DCP's GQA mode (``--dcp-replicate-q-proj``, read as the parallel state's ``dcp_gqa_mode``):
+    Q sharded like K/V (over tp / dcp, replicated inside each DCP group), the group's heads on
+    every rank; otherwise Q over tp (upstream's layer)."""
     from sglang.srt.layers import linear
 
-    parallel = SimpleNamespace(attn_dcp_size=dcp, dcp_replicate_q_proj=replicate)
+    parallel = SimpleNamespace(attn_dcp_size=dcp, dcp_gqa_mode=dcp > 1 and replicate)
     monkeypatch.setattr(linear, "get_parallel", lambda: parallel)
     q_tp, group = linear.dcp_q_partition(tp, "attn_tp")
     if dcp > 1 and replicate:

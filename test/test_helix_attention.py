@@ -319,7 +319,7 @@ def test_torch_native_dcp_refuses_speculation_with_q_gathered():
         if rank:
             return
         backend = ranks.backends[0]
-        backend.dcp_num_heads = SHAPE.heads * SHAPE.kvp  # the group's heads: this layer's Q is gathered
+        ranks.parallels[0].dcp_gqa_mode = False  # --dcp-size alone: Q gathered
         for batch in batches:
             backend.init_forward_metadata(batch)
             q = torch.zeros(n, SHAPE.heads * SHAPE.head_dim)
