@@ -383,6 +383,41 @@ def test_chunk_gated_delta_rule_cpu_varlen_pool():
     assert torch.equal(pool[[1, 3, 5]], before[[1, 3, 5]])
 
 
+def test_chunk_gated_delta_rule_cpu_returns_per_chunk_states_for_the_extra_buffer(monkeypatch):
+    """Test-only (``HELIX_TEST_MAMBA_CHUNK_STATES=1``, ``test_helix_qwen3_5_radix.py``): the
+    wrapper also returns ``h`` as the Triton/FLA chunk kernel does (``chunk_gated_delta_rule_fwd_h``:
+    ``[1, NT, Hv, V, K]``, NT the 64-token chunks of every sequence in batch order, entry i the state
+    chunk i starts from, the first a sequence's initial state), which the mamba radix cache's extra
+    buffer snapshots. Each entry against the float64 reference run over the prefix before it;
+    the outputs and the pool's final states are those of the plain call."""
+    lens = [130, 64, 5, 129]  # 3 + 1 + 1 + 3 chunks
+    slots = [4, 0, -1, 2]
+    T, Hv, D = sum(lens), 4, 32
+    q, k, v, gate, beta = _gdn_inputs(12, T)
+    pool = torch.randn(6, Hv, D, D, generator=_gen(13)) * 0.1
+    before, plain_pool = pool.clone(), pool.clone()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=I32)
+    idx = torch.tensor(slots, dtype=I32)
+    plain_o, _, _ = mamba.chunk_gated_delta_rule_cpu(q, k, v, gate, beta, plain_pool, cu, False, True, idx)
+    monkeypatch.setenv(mamba.CHUNK_STATES_ENV, "1")
+    o, final, h = mamba.chunk_gated_delta_rule_cpu(q, k, v, gate, beta, pool, cu, False, True, idx)
+    assert final is pool and torch.equal(o, plain_o) and torch.equal(pool, plain_pool)
+    assert h.shape == (1, sum((n + 63) // 64 for n in lens), Hv, D, D) and h.dtype == q.dtype
+    n = 0
+    for i, slot in enumerate(slots):
+        s = cu[i].item()
+        h0 = before[slot] if slot >= 0 else torch.zeros(Hv, D, D)
+        for c in range((lens[i] + 63) // 64):
+            e = s + 64 * c
+            want = h0
+            if c:
+                _, want = _ref_delta_rule(
+                    _l2n(q[0, s:e]), _l2n(k[0, s:e]), v[0, s:e], gate[0, s:e], beta[0, s:e], h0, D**-0.5
+                )
+            _close(h[0, n], want, what=f"seq {i} chunk {c} start state")
+            n += 1
+
+
 def test_chunk_gated_delta_rule_cpu_rejects_what_the_real_op_rejects():
     q, k, v, gate, beta = _gdn_inputs(9, 4)
     pool, cu, idx = (

@@ -4,10 +4,21 @@ They are the real wheel's Python wrappers (``sgl_kernel/mamba.py`` of the wheel 
 0.5.23), word for word in what they pass: each forwards to a ``torch.ops.sgl_kernel`` op, which the
 stub defines in torch (``qwen3_5_cpu_ops``). Every other name of the module (the CUDA
 ``causal_conv1d_fwd`` / ``causal_conv1d_update``) is a loud ``StubKernel``.
+
+Test-only, with ``HELIX_TEST_MAMBA_CHUNK_STATES=1`` (``sglang_helix.testing.mamba_extra_buffer``):
+``chunk_gated_delta_rule_cpu`` also returns the per-chunk states ``h`` the GPU's Triton/FLA chunk
+kernel returns (``[1, NT, Hv, V, K]``), which the mamba radix cache's extra buffer snapshots at
+track boundaries (``hybrid_linear_attn_backend._track_mamba_state_extend``). The real wrapper
+returns none (the C++ kernel computes none), so SGLang does not offer the extra buffer on the CPU;
+the harness opens it only for tests that ask.
 """
+
+import os
 
 import torch
 from sgl_kernel import StubKernel
+
+CHUNK_STATES_ENV = "HELIX_TEST_MAMBA_CHUNK_STATES"
 
 
 def causal_conv1d_fn_cpu(
@@ -63,6 +74,25 @@ def chunk_gated_delta_rule_cpu(
     use_qk_l2norm_in_kernel,
     initial_state_indices,
 ):
+    if os.environ.get(CHUNK_STATES_ENV) == "1":
+        from sgl_kernel import qwen3_5_cpu_ops as ops
+
+        states = []
+        core_attn_out, last_recurrent_state = ops.chunk_gated_delta_rule_cpu(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            True,
+            cu_seqlens,
+            head_first,
+            use_qk_l2norm_in_kernel,
+            initial_state_indices,
+            chunk_states=states,
+        )
+        return core_attn_out, last_recurrent_state, ops.chunk_states_as_h(states, q.dtype)
     core_attn_out, last_recurrent_state = (
         torch.ops.sgl_kernel.chunk_gated_delta_rule_cpu(
             q,

@@ -404,7 +404,7 @@ def _check_state_pool(pool: torch.Tensor, hv: int, dv: int, dk: int, name: str) 
     )
 
 
-def _chunk_sequence(q, k, v, g, beta, h):
+def _chunk_sequence(q, k, v, g, beta, h, chunk_states=None):
     """One sequence of the gated delta rule, chunk by chunk (``CHUNK_SIZE`` tokens).
 
     q, k ``[Hv, T, K]`` (q already scaled), v ``[Hv, T, V]``, g and beta ``[Hv, T]``, h the state
@@ -413,10 +413,13 @@ def _chunk_sequence(q, k, v, g, beta, h):
     start, the updates ``u`` solve the unit lower-triangular system ``(I + A) u = beta (v -
     exp(G) K h0)``, ``A_ij = beta_i exp(G_i - G_j) k_i.k_j`` (j < i), and then ``o_i = exp(G_i) q_i
     h0 + sum_{j <= i} exp(G_i - G_j) (q_i.k_j) u_j``, ``h = exp(G_last) h0 + sum_j exp(G_last -
-    G_j) k_j u_j^T``. Returns ``o [Hv, T, V]`` and the final state."""
+    G_j) k_j u_j^T``. Returns ``o [Hv, T, V]`` and the final state. ``chunk_states``, a list, gets
+    the state each chunk starts from (``[Hv, K, V]``), as the Triton kernel's ``h`` holds them."""
     T = q.shape[1]
     out = torch.empty_like(v)
     for s in range(0, T, CHUNK_SIZE):
+        if chunk_states is not None:
+            chunk_states.append(h.clone())  # the first may be a view of the pool
         e = min(s + CHUNK_SIZE, T)
         qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
         G = torch.cumsum(g[:, s:e], dim=1)  # [Hv, C]
@@ -456,6 +459,7 @@ def chunk_gated_delta_rule_cpu(
     use_qk_l2norm_in_kernel: bool,
     initial_state_indices,
     eps: float = 1e-6,
+    chunk_states: list | None = None,
 ):
     """The GDN prefill over packed varlen sequences: ``query``/``key`` ``[1, T, H, K]``, ``value``
     ``[1, T, Hv, V]`` (value head j reads key head ``j // (Hv / H)``), ``g`` ``[1, T, Hv]`` float32
@@ -464,7 +468,9 @@ def chunk_gated_delta_rule_cpu(
     pool is updated in place; a negative index starts from zeros and is not written). q and k are
     L2-normalized first when ``use_qk_l2norm_in_kernel``; q is scaled by ``K ** -0.5``. Returns
     ``(o [1, T, Hv, V] in query's dtype, initial_state)``: like the real op, the second output is
-    the updated pool itself."""
+    the updated pool itself. ``chunk_states`` (Python callers only, not the op's schema: the real
+    op returns no per-chunk states), a list, gets each sequence's chunk-start states in order
+    (``chunk_states_as_h`` turns them into the Triton kernel's ``h``)."""
     _require(not head_first, "head_first is not supported")
     _float(query, "query")
     _require(
@@ -521,12 +527,20 @@ def chunk_gated_delta_rule_cpu(
             else q.new_zeros(Hv, K, V)
         )
         o, h = _chunk_sequence(
-            q[:, s:e], k[:, s:e], v[:, s:e], gt[:, s:e], bt[:, s:e], h
+            q[:, s:e], k[:, s:e], v[:, s:e], gt[:, s:e], bt[:, s:e], h, chunk_states
         )
         out[0, s:e] = o.transpose(0, 1).to(query.dtype)
         if slot >= 0:
             initial_state[slot] = h.transpose(1, 2).to(initial_state.dtype)
     return out, initial_state
+
+
+def chunk_states_as_h(chunk_states: list, dtype: torch.dtype) -> torch.Tensor:
+    """The per-chunk states ``chunk_gated_delta_rule_cpu`` collected, laid out as the Triton/FLA
+    chunk kernel returns them (``chunk_gated_delta_rule_fwd_h``'s ``h``): ``[1, NT, Hv, V, K]`` in
+    the activations' dtype, NT the chunks of every sequence in batch order (``ceil(len / 64)``
+    each), entry i the state chunk i starts from (a sequence's first: its initial state)."""
+    return torch.stack([h.transpose(1, 2) for h in chunk_states]).unsqueeze(0).to(dtype)
 
 
 def fused_sigmoid_gating_delta_rule_update_cpu(
