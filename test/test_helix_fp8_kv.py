@@ -31,7 +31,9 @@ back as the format defines: ``fp8(k / k_scale)`` converted to the query's dtype 
   tier), and the mode's max_total_num_tokens is N / K = 2x plain TP's on top.
 
 Full tier (``HELIX_TEST_FULL=1``): fp8_e5m2 at K < N; K = N (``--tp 4 --helix-kvp-size 2`` and
-``4``, fp8_e4m3 and fp8_e5m2); the bf16 pool's capacity measured by its own server.
+``4``, fp8_e4m3 and fp8_e5m2); interpreted Triton (K < N, fp8_e4m3); the bf16 pool's capacity
+measured by its own server; FP8 weights with an FP8 KV cache; SmolLM2's passkeys; a PD decode
+server in the mode taking a plain prefill server's FP8 pages.
 """
 
 from __future__ import annotations
@@ -160,18 +162,19 @@ def max_logprob_diff(ref, got) -> float:
     return max(abs(a - b) for r, g in pairs for a, b in zip(r.logprobs, g.logprobs))
 
 
-# (model, --tp, --helix-kvp-size, --kv-cache-dtype); the first is the default tier's
+# (model, --tp, --helix-kvp-size, --kv-cache-dtype, backend); the first is the default tier's
 CASES = [
-    (KV2, 4, 2, "fp8_e4m3"),  # K < N: TPA 2
-    (KV2, 4, 2, "fp8_e5m2"),
-    (GQA, 4, 2, "fp8_e4m3"),  # K = N = 4: TPA 2, two KV heads a rank
-    (GQA, 4, 4, "fp8_e5m2"),  # K = N = 4: TPA 1, every KV head on every rank
+    (KV2, 4, 2, "fp8_e4m3", "torch_native"),  # K < N: TPA 2
+    (KV2, 4, 2, "fp8_e5m2", "torch_native"),
+    (GQA, 4, 2, "fp8_e4m3", "torch_native"),  # K = N = 4: TPA 2, two KV heads a rank
+    (GQA, 4, 4, "fp8_e5m2", "torch_native"),  # K = N = 4: TPA 1, every KV head on every rank
+    (KV2, 4, 2, "fp8_e4m3", "triton"),  # the kernels interpreted: 5-10 min a server
 ]
 
 
 def _id(case):
-    spec, tp, kvp, dtype = case
-    return f"q{spec.num_heads}k{spec.num_kv_heads}-tp{tp}-kvp{kvp}-{dtype}"
+    spec, tp, kvp, dtype, backend = case
+    return f"q{spec.num_heads}k{spec.num_kv_heads}-tp{tp}-kvp{kvp}-{dtype}-{backend}"
 
 
 @pytest.mark.e2e
@@ -181,11 +184,11 @@ def test_fp8_kv_cache_under_helix_serves_plain_tps_tokens(model_dir, server_log_
     D``'s greedy tokens within the float32 bound (module docstring), every rank's pool checks pass
     and rank 0 ends with no used token; the FP8 pool's rows are the budget over a 1-byte cell, and
     the mode holds max(1, N / K) x plain TP's tokens."""
-    spec, tp, kvp, dtype = case
+    spec, tp, kvp, dtype, backend = case
     path = model_dir(spec)
     kv = ["--kv-cache-dtype", dtype]
-    ref = kv_server(path, ["--tp", str(tp), *kv], server_log_dir, fp8_kv_workload)
-    got = kv_server(path, ["--tp", str(tp), "--helix-kvp-size", str(kvp), *kv], server_log_dir, fp8_kv_workload)
+    ref = kv_server(path, ["--tp", str(tp), *kv], server_log_dir, fp8_kv_workload, backend)
+    got = kv_server(path, ["--tp", str(tp), "--helix-kvp-size", str(kvp), *kv], server_log_dir, fp8_kv_workload, backend)
     what = f"{_id(case)}: Helix vs plain TP"
     assert_served_and_released(ref, f"plain --tp {tp} {dtype}", tp)
     assert_served_and_released(got, f"--tp {tp} --helix-kvp-size {kvp} {dtype}", tp)
