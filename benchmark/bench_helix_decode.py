@@ -366,6 +366,8 @@ def bench_cpu(args) -> list[Row]:
             model = write_fp8_checkpoint(model, os.path.join(args.work_dir, f"model-k{k}-{args.fp8}"), args.fp8)
             flags += ["--dtype", "bfloat16"]
         flags += ["--context-length", str(max_context), "--max-total-tokens", str(max(args.max_total_tokens, need))]
+        if args.kv_cache_dtype:  # an FP8 KV cache: one byte an element, read back with its scales
+            flags += ["--kv-cache-dtype", args.kv_cache_dtype]
         flags += ["--disable-radix-cache"]  # decode timing: no prefix reuse in either layout
         # One prefill chunk per prompt: upstream's torch_native extend re-attends the whole
         # sequence at every chunk, which makes plain TP's 32K prefill take many minutes at 2K chunks.
@@ -609,6 +611,7 @@ def main() -> int:
     )  # fmt: skip
     cpu.add_argument("--qwen3-5", action="store_true", help="tiny Qwen3.5 (hybrid: --layers of which 1 in 4 full attention, output gate) instead of Llama")
     cpu.add_argument("--fp8", choices=["fp8-tensor", "fp8-block", "ct-channel"], help="serve each model quantized to this FP8 format, in bfloat16 (KV in bfloat16: pass --dtype-bytes 2)")
+    cpu.add_argument("--kv-cache-dtype", choices=["fp8_e4m3", "fp8_e5m2", "bf16"], help="the servers' KV cache dtype (FP8: pass --dtype-bytes 1)")
     cpu.add_argument("--max-total-tokens", type=int, default=65536, help="at least; raised to fit the largest batch")
     cpu.add_argument("--profile", help="py-spy every scheduler rank over --profile-tokens extra decode steps of each request; files and a per-rank summary here")
     cpu.add_argument("--profile-tokens", type=int, default=24)

@@ -59,8 +59,7 @@ CASES = [
     ("qwen3_moe", "fp8-block", 2, 2),
     ("mixtral", "fp8-tensor", 2, 2),
 ]
-# (Not an FP8 KV cache with them: the CPU engine refuses one without AMX, plain TP included: "CPU FP8
-# KV cache requires Intel AMX support". The mode's fp8 pools: test_helix_attention.py.)
+# (An FP8 KV cache with them: test_helix_fp8_kv.py, full tier.)
 # Not Triton: FP8 serves bfloat16 only, and the interpreted Triton backend in bfloat16 parts from
 # torch_native already under plain TP (2026-11-28, this checkpoint at --tp 2: the first token of
 # the first prompt differs, decided by 6.75 nats either way) and from the mode (0.85 nats on one

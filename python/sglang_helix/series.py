@@ -537,6 +537,10 @@ PREFIX_TESTS = {
     "[CPU] Hybrid models: the mamba radix cache takes no extra buffer where the platform has none": [
         "test/test_qwen3_5_cpu_paths.py",
     ],
+    # (plain TP's reads: the mode's FP8 pools are tested at its own prefixes, test_helix_attention.py)
+    "[CPU] FP8 KV cache without AMX: store FP8, dequantize what torch attention reads": [
+        "test/test_helix_fp8_kv.py", "-m", "not e2e", "-k", "plain_tp",
+    ],
     "[DCP] EAGLE: the Llama draft head opts in as a draft": [
         "test/test_helix_args.py", "test/test_helix_attention.py", "-m", "not e2e", "-k",
         "(speculative or speculation_keeps) and not pd-decode",  # (PD's checks: the PD patch)
@@ -582,7 +586,7 @@ PRS = [
     (1, "[DCP] fixes: GQA K/V, torch_native DCP, the Triton extend, drafts, the fused write",
      "[DCP] GQA models replicate K/V", "[DCP] The fused rope + KV write is off"),
     (2, "[CPU] DCP on the CPU engine; FP8 and Qwen3.5 without AMX", "[Distributed] Do not create a PyNccl",
-     "[CPU] Hybrid models: the mamba radix cache"),
+     "[CPU] FP8 KV cache without AMX"),
     (3, "[DCP] The GQA mode: replicated Q over tp / dcp, one All-to-All, models opting in",
      "[Kernel] Triton decode stage 2: optional merged-LSE", "[Helix] Server args: --helix-kvp-size spells"),
     (4, "[DCP] Speculation in the GQA mode", "[torch_native] Speculative draft decode", "[DCP] EAGLE: the Llama draft head"),
