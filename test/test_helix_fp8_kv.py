@@ -55,7 +55,9 @@ from conftest import FULL, GQA, KV2, start_server, stop_server  # noqa: E402
 from helix_runs import PINNED_AVAILABLE_BYTES, Capacity, pinned_memory_env  # noqa: E402
 from sglang_helix.testing import kv_checks  # noqa: E402
 from sglang_helix.testing.dcp_ranks import Ranks, Shape  # noqa: E402
-from sglang_helix.testing.openai_probe import LOGPROB_ATOL, assert_same_generation, assert_same_probe, probe  # noqa: E402
+from sglang_helix.testing.openai_probe import (  # noqa: E402
+    LOGPROB_ATOL, assert_same_generation, assert_same_probe, generate_ids_meta, generation_of, probe,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -98,19 +100,8 @@ RADIX_PROMPT = [(11 * i + 5) % 400 + 10 for i in range(300)]
 
 def generate(base_url: str, input_ids: list, max_tokens: int = 8):
     """One greedy ``/generate``: ``(Generation, cached prompt tokens)``."""
-    import json
-    import urllib.request
-
-    from sglang_helix.testing.openai_probe import Generation
-
-    body = {"input_ids": input_ids, "return_logprob": True, "top_logprobs_num": 2,
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-    req = urllib.request.Request(base_url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=900) as r:
-        meta = json.loads(r.read())["meta_info"]
-    steps = meta["output_token_logprobs"]  # [(logprob, token id, text)]
-    top2 = [sorted((x[0] for x in step), reverse=True)[:2] for step in meta["output_top_logprobs"]]
-    return Generation("", [str(t[1]) for t in steps], [t[0] for t in steps], top2), meta["cached_tokens"]
+    meta = generate_ids_meta(base_url, input_ids, max_tokens)
+    return generation_of(meta), meta["cached_tokens"]
 
 
 def fp8_kv_workload(base_url):

@@ -37,17 +37,16 @@ what the cache holds) runs on every rank too.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
-import urllib.request
 
 import pytest
 import test_qwen3_5_harness as harness
 from conftest import FULL, start_server, stop_server
 from sglang_helix.testing import kv_checks
 from sglang_helix.testing.cpu_env import STUB_DIR
+from sglang_helix.testing.openai_probe import generate_ids_meta
 from sglang_helix.testing.qwen3_5_models import DENSE
 from test_helix_qwen3_5 import assert_pools_back
 
@@ -83,15 +82,7 @@ def _tokens(n: int, seed: int) -> list:
 
 
 def _generate(base_url: str, ids: list, new_tokens: int = NEW_TOKENS) -> dict:
-    payload = {
-        "input_ids": ids,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-    }
-    req = urllib.request.Request(base_url + "/generate", json.dumps(payload).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=900) as r:
-        meta = json.loads(r.read())["meta_info"]
+    meta = generate_ids_meta(base_url, ids, new_tokens)
     return {
         "prompt_lp": [],  # a cache hit computes no prompt logprobs
         "ids": [t for _, t, _ in meta["output_token_logprobs"]],

@@ -180,6 +180,11 @@ SIZED_PROMPTS = [[(7 * i + 3 * n) % 400 + 10 for i in range(n)] for n in (3, 8, 
 
 def generate_ids(base_url: str, input_ids: list, max_tokens: int = 8) -> Generation:
     """One greedy ``/generate`` of token ids (sglang-router's OpenAI routes take text prompts only)."""
+    return generation_of(generate_ids_meta(base_url, input_ids, max_tokens))
+
+
+def generate_ids_meta(base_url: str, input_ids: list, max_tokens: int = 8) -> dict:
+    """One greedy ``/generate`` of token ids: its ``meta_info`` (logprobs, top-2, cached tokens)."""
     import json
     import urllib.request
 
@@ -187,7 +192,10 @@ def generate_ids(base_url: str, input_ids: list, max_tokens: int = 8) -> Generat
             "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
     req = urllib.request.Request(base_url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=900) as r:
-        meta = json.loads(r.read())["meta_info"]
+        return json.loads(r.read())["meta_info"]
+
+
+def generation_of(meta: dict) -> Generation:
     steps = meta["output_token_logprobs"]  # [(logprob, token id, text)]
     top2 = [sorted((x[0] for x in step), reverse=True)[:2] for step in meta["output_top_logprobs"]]
     return Generation("", [str(t[1]) for t in steps], [t[0] for t in steps], top2)
