@@ -216,10 +216,13 @@ def kv_footprint(layout: Layout, context: int, dtype_bytes: int):
     elif layout.kvp == 1:
         heads, tokens = max(1.0, k / layout.tp), context
     else:
-        from sglang.srt.layers.dcp.gqa_layout import local_kv_lens
+        import torch
+
+        from sglang.srt.layers.dcp.layout import get_dcp_lens
 
         heads = k / layout.tpa
-        tokens = int(local_kv_lens(context, 0, layout.kvp, layout.chunk))  # the largest shard: rank 0's
+        # the largest shard: rank 0's
+        tokens = int(get_dcp_lens(torch.tensor(context), layout.kvp, 0, interleave_size=layout.chunk))
     kv_layers = cfg.get("layer_types", []).count("full_attention") or cfg["num_hidden_layers"]  # (hybrid: KV layers)
     mib = heads * tokens * 2 * head_dim * dtype_bytes * kv_layers / (1 << 20)
     return heads, tokens, mib
@@ -390,7 +393,7 @@ PROFILE_BUCKETS = (
     ("helix All-to-All + merge", ("dcp_a2a_lse_reduce", "dcp_lse_combine", "all_to_all")),
     ("all-reduce (o_proj / MLP / embedding)", ("all_reduce", "tensor_model_parallel_all_reduce")),
     ("all-gather (logits)", ("all_gather", "tensor_model_parallel_all_gather")),
-    ("helix metadata (lists, write rows)", ("_dcp_kv_indices", "dcp_torch_metadata", "local_kv_indices", "write_rows")),
+    ("helix metadata (lists, write rows)", ("_dcp_kv_indices", "dcp_torch_metadata", "create_kv_indices_for_dcp_torch", "localize_dcp_indices")),
     ("helix KV gather (_read_rows)", ("_read_rows",)),
     ("helix partial (einsum, softmax)", ("dcp_partial_attention",)),
     ("helix KV write + other", ("_forward_extend_dcp", "_forward_dcp")),

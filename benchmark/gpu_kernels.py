@@ -7,7 +7,7 @@
 Needs only torch, triton and the series' kernel sources: sglang's Triton decode kernel (with patch
 the series' merged-LSE output), upstream's DCP pack/combine kernels and split heuristic
 (``kernels/ops/attention/metadata.py``), ``srt/layers/dcp/layout.py`` and the GQA mode's
-``gqa_layout`` and ``gqa_decode``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
+``gqa_decode``. On the lent GPU machine (no sglang installed) put those files under ``.gpu/src``
 (see ../shared/notes/gpu-machine.md); that folder goes first on ``sys.path``. No server, no
 network. Without a GPU (and without ``--cpu-smoke``) it says so and exits 0.
 

@@ -5,15 +5,15 @@ the retrieval test and a random-model test can be run against the broken layout.
     .venv/bin/python benchmark/retrieval_mutation.py revert   # restore the series' bytes
     bash scripts/setup.sh --check                             # must say applied afterwards
 
-The change: ``gqa_layout.local_kv_indices`` (the torch_native path's list of the KV rows a rank
-attends to, for prefill and decode alike) drops, on KVP rank 1 only, its owned chunk number
-``DROP_LOCAL_CHUNK`` (global positions ``[DROP_LOCAL_CHUNK * chunk * KVP + chunk, ... + 2 * chunk)``).
-The rank then attends to every owned key but those ``chunk`` positions: a silently wrong attention,
-no crash. With chunk 64 and KVP 3 that is positions 1792-1855, which hold the key of the retrieval
-test's ~2K-token prompt at 90 % depth (token 1812); with chunk 4 and KVP 2 positions 76-79 (inside
-the random-model tests' ~300-token prompt).
+The change: torch_native's DCP lists (``dcp_torch_metadata`` in ``layers/dcp/torch_attention.py``, the
+rows of the keys a rank attends to, for prefill and decode alike) point, on KVP rank 1 only, its owned
+chunk number ``DROP_LOCAL_CHUNK`` (global positions ``[DROP_LOCAL_CHUNK * chunk * KVP + chunk, ... + 2 *
+chunk)``) at row 0, the reserved page's row, instead of their own rows. The rank then attends to the
+wrong K/V for those ``chunk`` positions: a silently wrong attention, no crash. With chunk 64 and KVP 3
+that is positions 1792-1855, which hold the key of the retrieval test's ~2K-token prompt at 90 % depth
+(token 1812); with chunk 4 and KVP 2 positions 76-79 (inside the random-model tests' ~300-token prompt).
 
-The original file is kept next to it as ``gqa_layout.py.orig-mutation`` and put back by ``revert``.
+The original file is kept next to it as ``torch_attention.py.orig-mutation`` and put back by ``revert``.
 """
 
 from __future__ import annotations
@@ -24,24 +24,20 @@ import sys
 
 DROP_LOCAL_CHUNK = 9
 
-ANCHOR = "    rows = localize_dcp_indices(loc, kvp_size, kvp_rank, interleave_size=chunk)\n    return kv_indptr, rows, pos\n"
+ANCHOR = "    indptr_host = indptr.tolist()  # (the CPU path: host values are free)\n"
 MUTATED = (
-    "    rows = localize_dcp_indices(loc, kvp_size, kvp_rank, interleave_size=chunk)\n"
-    "    if kvp_rank == 1:  # MUTATION (benchmark/retrieval_mutation.py): drop one owned chunk\n"
-    f"        keep = (pos // (chunk * kvp_size)) != {DROP_LOCAL_CHUNK}\n"
-    "        counts = torch.bincount(batch[keep], minlength=kv_lens.shape[0])\n"
-    "        kv_indptr = torch.zeros_like(kv_indptr)\n"
-    "        torch.cumsum(counts, dim=0, out=kv_indptr[1:])\n"
-    "        rows, pos = rows[keep], pos[keep]\n"
-    "    return kv_indptr, rows, pos\n"
-)
+    "    if k == 1:  # MUTATION (benchmark/retrieval_mutation.py): one owned chunk reads row 0\n"
+    "        req = torch.repeat_interleave(torch.arange(len(local_lens)), local_lens, output_size=total)\n"
+    "        local = torch.arange(total) - indptr[:-1].long()[req]\n"
+    f"        indices[(local // c) == {DROP_LOCAL_CHUNK}] = 0\n"
+) + ANCHOR
 
 
 def target() -> str:
     import importlib.util
 
     spec = importlib.util.find_spec("sglang")
-    return os.path.join(os.path.dirname(spec.origin), "srt", "layers", "dcp", "gqa_layout.py")
+    return os.path.join(os.path.dirname(spec.origin), "srt", "layers", "dcp", "torch_attention.py")
 
 
 def main(mode: str) -> None:

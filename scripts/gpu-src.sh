@@ -9,7 +9,7 @@ SP=$(.venv/bin/python -c "import importlib.util,os;print(os.path.dirname(importl
 DST=.gpu/src/sglang
 rm -rf .gpu/src && mkdir -p "$DST"
 for f in kernels/ops/attention/{decode_attention,extend_attention,dcp_kernels,score_mod,metadata}.py \
-         srt/environ.py srt/layers/dcp/{layout,gqa_layout,gqa_decode}.py; do
+         srt/environ.py srt/layers/dcp/{layout,gqa_decode}.py; do
   mkdir -p "$DST/$(dirname "$f")"; cp "$SP/$f" "$DST/$f"
 done
 # Empty package __init__s: the real ones import the server.

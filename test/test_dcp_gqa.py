@@ -200,14 +200,17 @@ def test_torch_attention_shards_merge_to_full_attention(interleave, dcp, decode)
     assert torch.allclose(got, want, atol=1e-5)  # the partials are computed in fp32
 
 
-@pytest.mark.parametrize("path", ["_attend_batch_cpu", "_attend_batch_scores"])
-def test_torch_attention_paths_equal_float64(path, monkeypatch):
-    """Both ways the partial attends (the CPU flash kernel with its log-sum-exp; the fp32 scores, for
-    other devices) give float64's output and LSE, with GQA groups, a causal mask over a subset of
-    keys, and queries that see no key (0, -inf)."""
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["cpu_flash", "scores"])
+def test_torch_attention_paths_equal_float64(cpu_flash, monkeypatch):
+    """Both kernels the batched partial attends with (the CPU flash kernel with its log-sum-exp;
+    the fp32 scores, for other devices) give float64's output and LSE, with GQA groups, a causal
+    mask over a subset of keys, and queries that see no key (0, -inf)."""
+    import functools
+
     from sglang.srt.layers.dcp import torch_attention
 
-    monkeypatch.setattr(torch_attention, "_attend_batch_cpu", getattr(torch_attention, path))
+    batch = functools.partial(torch_attention._attend_batch, cpu_flash=cpu_flash)
+    monkeypatch.setattr(torch_attention, "_attend_batch", batch)
     path = "_attend"
     g = torch.Generator().manual_seed(7)
     b, H, Hk, D, n = 13, 6, 2, 16, 21
@@ -267,8 +270,8 @@ def _owned_attention_f64(q, pool_k, pool_v, table_row, kv_end, rank, dcp, chunk,
 
 @pytest.mark.parametrize("mode", ["decode", "decode-one", "decode-short", "chain", "tree"])
 @pytest.mark.parametrize("dcp_rank", [0, 1])
-@pytest.mark.parametrize("path", ["_attend_batch_cpu", "_attend_batch_scores"])
-def test_a_decode_or_verify_batch_is_exact_over_the_keys_this_rank_owns(mode, dcp_rank, path, monkeypatch):
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["cpu_flash", "scores"])
+def test_a_decode_or_verify_batch_is_exact_over_the_keys_this_rank_owns(mode, dcp_rank, cpu_flash, monkeypatch):
     """``dcp_partial_attention`` of a decode or verify batch (one call over the lists padded to the
     longest, ``_pad_lists``) against the test's own float64 attention over the keys this rank owns
     by DCP's rule, each read at the pool row the test computes from its logical id (never the
@@ -280,7 +283,9 @@ def test_a_decode_or_verify_batch_is_exact_over_the_keys_this_rank_owns(mode, dc
     from sglang.srt.layers.dcp import torch_attention as ta
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    monkeypatch.setattr(ta, "_attend_batch_cpu", getattr(ta, path))
+    import functools
+
+    monkeypatch.setattr(ta, "_attend_batch", functools.partial(ta._attend_batch, cpu_flash=cpu_flash))
 
     dcp, chunk, Q, H, Hk, D, scale = 2, 4, 3, 8, 2, 16, 0.31
     page = dcp * chunk

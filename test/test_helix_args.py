@@ -1172,14 +1172,9 @@ def test_pd_decode_is_accepted(model):
     assert (cfg.disaggregation_mode, cfg.disaggregation_transfer_backend, cfg.dcp_size) == ("decode", "mooncake", 2)
 
 
-def test_the_speculative_step_checks_the_mode(model, monkeypatch):
-    """The mode's speculation checks live in upstream's speculative step (speculative_hook), which
-    runs them whenever a draft class has opted in: here one is made to, so the check is tested on
-    its own, before the EAGLE head opts in."""
-    from sglang.srt.arg_groups import helix_hook
-
-    opted_in = helix_hook.helix_architectures
-    monkeypatch.setattr(helix_hook, "helix_architectures", lambda drafts=False: opted_in() + ["Draft"] * drafts)
+def test_the_speculative_step_checks_the_mode(model):
+    """The mode's speculation checks live in upstream's speculative step (speculative_hook): tested
+    on their own, before the EAGLE head opts in."""
     message = helix_error(model(), [
         "--tp", "4", "--helix-kvp-size", "2", *_spec(model()), "--speculative-draft-attention-backend", "flashinfer",
     ])  # fmt: skip

@@ -487,10 +487,12 @@ def test_list_kernel_equals_the_layout(kvp, chunk):
     at the interleave; with a start, a draft step's runs) writes, for every rank, the rows of the
     positions ``[start, start + len)`` the rank owns, by the test's own reading of DCP's layout
     (owner ``(p // chunk) % kvp``, row ``(loc // page) * chunk + loc % chunk``), empty lists
-    included, and nothing past them; without a start they are torch_native's lists
-    (``gqa_layout.local_kv_indices``)."""
-    from sglang.kernels.ops.attention.dcp_kernels import create_triton_kv_indices_for_dcp_triton
-    from sglang.srt.layers.dcp import gqa_layout
+    included, and nothing past them; its torch twin (torch_native's lists,
+    ``create_kv_indices_for_dcp_torch``) writes the same rows, with a start too."""
+    from sglang.kernels.ops.attention.dcp_kernels import (
+        create_kv_indices_for_dcp_torch,
+        create_triton_kv_indices_for_dcp_triton,
+    )
 
     page, max_len = chunk * kvp, 300
     table = torch.zeros(5, max_len, dtype=torch.int32)
@@ -516,9 +518,11 @@ def test_list_kernel_equals_the_layout(kvp, chunk):
             )  # fmt: skip
             assert out[:total].tolist() == [r for w in want for r in w], (rank, starts)
             assert bool((out[total:] == -1).all()), (rank, starts)
-            if starts is None:
-                torch_lists = gqa_layout.local_kv_indices(table, slots, lens, total, rank, kvp, chunk)
-                assert torch.equal(torch_lists[0], indptr) and torch_lists[1].tolist() == out[:total].tolist()
+            twin = torch.full((total,), -1, dtype=torch.int64)
+            create_kv_indices_for_dcp_torch(
+                table, slots, local, indptr, None if starts is None else first, twin, kvp, rank, chunk
+            )
+            assert torch.equal(twin, out[:total]), (rank, starts)
 
 
 def _splits(lens, cores=132, num_heads=8, num_kv_heads=1, cap=256):

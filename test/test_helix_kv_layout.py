@@ -6,11 +6,11 @@ prefilled in chunks (``alloc_extend`` over a prefix), decoded (``alloc_decode``)
 retracted (their locs freed, in free groups as the scheduler frees) and re-admitted from scratch,
 with ``req_to_token`` kept as upstream keeps it. After every step, on every KVP rank:
 
-- the write rows of the new tokens (``kv_layout.write_rows``) are owned by position, inside the
+- the write rows of the new tokens (``localize_dcp_indices`` of their ids) are owned by position, inside the
   rank's pool ``[chunk, rows_per_rank + chunk)`` (rows ``[0, chunk)`` are the reserved logical
   page 0), -1 (masked out of the write) on the other ranks, and used by no other live token;
-- the local KV lists (``kv_layout.local_kv_indices``) of every live request are exactly the rows
-  written for it on that rank, in position order (``local_kv_lens`` of them), and upstream's list
+- the local KV lists (torch_native's ``create_kv_indices_for_dcp_torch``) of every live request are
+  exactly the rows written for it on that rank, in position order (``get_dcp_lens`` of them), and upstream's list
   kernel with ``interleave_size = chunk`` (what the decode runs) builds the same lists;
 - the allocator's free size is the initial one minus the pages the live requests hold, and after
   everything is freed it is the initial one.
@@ -45,8 +45,11 @@ from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 if STUB_DIR not in sys.path:  # the allocator's imports pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
-from sglang.srt.layers.dcp import gqa_layout as kv_layout  # noqa: E402
-from sglang.kernels.ops.attention.dcp_kernels import create_triton_kv_indices_for_dcp_triton  # noqa: E402
+from sglang.kernels.ops.attention.dcp_kernels import (  # noqa: E402
+    create_kv_indices_for_dcp_torch,
+    create_triton_kv_indices_for_dcp_triton,
+)
+from sglang.srt.layers.dcp.layout import get_dcp_lens, get_dcp_positions, localize_dcp_indices  # noqa: E402
 from sglang.srt.mem_cache.allocator import paged  # noqa: E402
 
 NUM_SLOTS, MAX_CONTEXT = 6, 160
@@ -127,7 +130,7 @@ class Harness:
         self.req_to_token[slots, pos] = locs.to(torch.int32)
         owners = torch.zeros(len(positions), dtype=torch.int64)
         for k in range(self.kvp):
-            rows = kv_layout.write_rows(locs, k, self.kvp, self.chunk)
+            rows = localize_dcp_indices(locs, self.kvp, k, interleave_size=self.chunk)
             mine = owner_rank(pos, self.kvp, self.chunk) == k  # owner by position ...
             assert torch.equal(rows >= 0, mine)  # ... == owner by loc (-1: masked, not written)
             owners += mine
@@ -148,11 +151,14 @@ class Harness:
         slots = torch.tensor([r.slot for r in live])
         lens = torch.tensor([r.kv_len for r in live])
         for k in range(self.kvp):
-            total = kv_layout.total_local_len(lens, k, self.kvp, self.chunk)
-            indptr, indices, positions = kv_layout.local_kv_indices(
-                self.req_to_token, slots, lens, total, k, self.kvp, self.chunk
+            local_lens = get_dcp_lens(lens, self.kvp, k, interleave_size=self.chunk)
+            total = int(local_lens.sum())
+            indptr = torch.zeros(len(live) + 1, dtype=torch.int32)
+            indptr[1:] = torch.cumsum(local_lens, 0)
+            indices = torch.empty(total, dtype=torch.int64)
+            create_kv_indices_for_dcp_torch(
+                self.req_to_token, slots, local_lens, indptr, None, indices, self.kvp, k, self.chunk
             )
-            local_lens = kv_layout.local_kv_lens(lens, k, self.kvp, self.chunk)
             if self.alloc.use_triton_kernels:  # upstream's list kernel, interpreted here too
                 kernel_indices = torch.full((total + 3,), -1, dtype=torch.int64)
                 create_triton_kv_indices_for_dcp_triton[(len(live),)](
@@ -165,7 +171,8 @@ class Harness:
                 assert int(local_lens[b]) == len(owned)
                 lo, hi = int(indptr[b]), int(indptr[b + 1])
                 assert indices[lo:hi].tolist() == [self.rows[(r.rid, p)][1] for p in owned]
-                assert positions[lo:hi].tolist() == owned
+                local = torch.arange(hi - lo)
+                assert get_dcp_positions(local, self.kvp, k, interleave_size=self.chunk).tolist() == owned
 
 
 def _interpreted_alloc_kernels(monkeypatch):
@@ -264,16 +271,14 @@ def test_triton_allocator_needs_power_of_two_pages(monkeypatch):
 def test_write_rows_of_tokens_a_rank_does_not_own():
     locs = torch.arange(16, 48)  # pages 1..2 of P=16 (chunk 4, KVP 4)
     for k in range(4):
-        rows = kv_layout.write_rows(locs, k, 4, 4)
+        rows = localize_dcp_indices(locs, 4, k, interleave_size=4)
         mine = rows >= 0  # -1: another rank's token, masked out of the write
         assert mine.sum() == 8 and owner_rank(locs[mine], 4, 4).eq(k).all()
 
 
 @pytest.mark.parametrize("kvp,chunk", [(2, 1), (2, 4), (4, 3)])
 def test_owner_rank_is_the_rank_that_writes_the_id(kvp, chunk):
-    from sglang.srt.layers.dcp.gqa_layout import owner_rank, write_rows
-
     loc = torch.arange(0, 5 * kvp * chunk + 3)
     owner = owner_rank(loc, kvp, chunk)
     for rank in range(kvp):
-        assert torch.equal(write_rows(loc, rank, kvp, chunk) >= 0, owner == rank)
+        assert torch.equal(localize_dcp_indices(loc, kvp, rank, interleave_size=chunk) >= 0, owner == rank)

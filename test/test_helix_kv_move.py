@@ -36,7 +36,7 @@ def _logical_table(kvp: int, dtype) -> list:
 def _worker(rank, world, init_file):
     from sglang.srt import runtime_context
     from sglang.srt.distributed.parallel_state import dcp_group_ranks, init_model_parallel_group, set_custom_all_reduce
-    from sglang.srt.layers.dcp.gqa_layout import write_rows
+    from sglang.srt.layers.dcp.layout import localize_dcp_indices
     from sglang.srt.layers.dcp.gqa_kv_move import move_kv_cache_by_owner
 
     from sglang.srt.distributed import parallel_state
@@ -54,7 +54,7 @@ def _worker(rank, world, init_file):
                 attn_dcp_rank=kvp_rank, attn_dcp_size=kvp, dcp_interleave_size=CHUNK, dcp_group=group
             )
             ids = torch.arange(ROWS * kvp)
-            rows = write_rows(ids, kvp_rank, kvp, CHUNK)
+            rows = localize_dcp_indices(ids, kvp, kvp_rank, CHUNK)
             owned = rows >= 0
             for dtype in (torch.bfloat16, torch.uint8):
                 table = _logical_table(kvp, dtype)
@@ -70,13 +70,13 @@ def _worker(rank, world, init_file):
                 src, tgt = torch.cat([src, torch.zeros(2, dtype=torch.long)]), torch.cat([tgt, torch.zeros(2, dtype=torch.long)])
                 before = [[b.clone() for b in pool.k_buffer], [b.clone() for b in pool.v_buffer]]
                 move_kv_cache_by_owner(pool, tgt, src)
-                mine = write_rows(tgt[:9], kvp_rank, kvp, CHUNK)
+                mine = localize_dcp_indices(tgt[:9], kvp, kvp_rank, CHUNK)
                 touched = set(mine[mine >= 0].tolist()) | {0}
                 for layer, (k, v) in enumerate(table):
                     for buf, old, full in ((pool.k_buffer, before[0], k), (pool.v_buffer, before[1], v)):
                         want = old[layer].clone()
                         for s, t in zip(src[:9].tolist(), tgt[:9].tolist()):
-                            r = int(write_rows(torch.tensor([t]), kvp_rank, kvp, CHUNK)[0])
+                            r = int(localize_dcp_indices(torch.tensor([t]), kvp, kvp_rank, CHUNK)[0])
                             if r >= 0:
                                 want[r] = full[s]
                         untouched = [r for r in range(ROWS) if r not in touched]

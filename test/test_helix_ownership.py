@@ -3,8 +3,8 @@
 The rule: position ``p`` belongs to KVP rank ``(p // chunk) % KVP`` and sits at local index
 ``(p // (chunk * KVP)) * chunk + p % chunk`` of that rank's compact KV. Helix implements it with
 upstream DCP's layout at ``interleave_size = chunk`` (``sglang.srt.layers.dcp.layout``:
-``get_dcp_lens``, ``localize_dcp_indices``) plus ``sglang.srt.layers.dcp.gqa_layout``
-(``local_kv_lens``, ``global_position``, ``write_rows``, ``local_kv_indices``' positions).
+``get_dcp_lens``, ``localize_dcp_indices`` and the series' inverse ``get_dcp_positions``) and
+torch_native's list builder (``dcp_kernels.create_kv_indices_for_dcp_torch``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ import itertools
 import pytest
 import torch
 
-from sglang.srt.layers.dcp.layout import get_dcp_lens, localize_dcp_indices
-from sglang.srt.layers.dcp import gqa_layout as kv_layout
-from sglang.srt.layers.dcp.gqa_layout import global_position, local_kv_lens, write_rows
+from sglang.kernels.ops.attention.dcp_kernels import create_kv_indices_for_dcp_torch
+from sglang.srt.layers.dcp.layout import get_dcp_lens, get_dcp_positions, localize_dcp_indices
 
 KVP_SIZES = (1, 2, 3, 4, 8)
 CHUNKS = (1, 2, 3, 4, 16)
 LAYOUTS = list(itertools.product(KVP_SIZES, CHUNKS))
+
+
+def local_kv_lens(lens, rank: int, kvp: int, chunk: int, start=None) -> torch.Tensor:
+    """``get_dcp_lens`` of ints or lists (the tests' shorthand)."""
+    start = None if start is None else torch.as_tensor(start)
+    return get_dcp_lens(torch.as_tensor(lens), kvp, rank, start=start, interleave_size=chunk)
 
 
 def ref_owner(p: int, kvp: int, chunk: int) -> int:
@@ -46,7 +51,7 @@ def seq_lens_for(kvp: int, chunk: int) -> list[int]:
 @pytest.mark.parametrize("kvp,chunk", LAYOUTS)
 def test_local_index_and_its_inverse_match_reference(kvp, chunk):
     """``localize_dcp_indices`` on positions: the compact local index where owned, -1 elsewhere;
-    ``global_position`` maps local indices 0..L-1 back to the owned positions, in order."""
+    ``get_dcp_positions`` maps local indices 0..L-1 back to the owned positions, in order."""
     s_max = max(seq_lens_for(kvp, chunk))
     pos = torch.arange(s_max)
     for rank in range(kvp):
@@ -56,27 +61,19 @@ def test_local_index_and_its_inverse_match_reference(kvp, chunk):
         assert got.tolist() == want, (rank, kvp, chunk)
         # A rank's owned positions fill its local KV densely, in order: exactly 0..L-1.
         assert got[got >= 0].tolist() == list(range(len(owned)))
-        back = global_position(torch.arange(len(owned)), rank, kvp, chunk)
+        back = get_dcp_positions(torch.arange(len(owned)), kvp, rank, interleave_size=chunk)
         assert back.dtype == torch.int64 and back.tolist() == owned
 
 
 @pytest.mark.parametrize("kvp,chunk", LAYOUTS)
 def test_lengths_match_reference(kvp, chunk):
-    """``local_kv_lens`` (ints, lists, int32/int64 tensors in; int64 out) and upstream's
-    ``get_dcp_lens`` (tensors; dtype kept) count the positions of ``[0, S)`` a rank owns."""
+    """Upstream's ``get_dcp_lens`` (its ``(dcp_size, dcp_rank)`` order; dtype kept) counts the
+    positions of ``[0, S)`` a rank owns."""
     lens = seq_lens_for(kvp, chunk)
     for rank in range(kvp):
         expect = [len(ref_owned(s, rank, kvp, chunk)) for s in lens]
-        for s, e in zip(lens, expect):
-            got = local_kv_lens(s, rank, kvp, chunk)
-            assert got.dtype == torch.int64 and got.dim() == 0 and int(got) == e, (s, rank, kvp, chunk)
-        got = local_kv_lens(lens, rank, kvp, chunk)
-        assert got.dtype == torch.int64 and got.tolist() == expect
         for dtype in (torch.int64, torch.int32):
-            lens_t = torch.tensor(lens, dtype=dtype)
-            assert local_kv_lens(lens_t, rank, kvp, chunk).dtype == torch.int64
-            assert local_kv_lens(lens_t, rank, kvp, chunk).tolist() == expect
-            up = get_dcp_lens(lens_t, kvp, rank, interleave_size=chunk)  # (dcp_size, dcp_rank) order
+            up = get_dcp_lens(torch.tensor(lens, dtype=dtype), kvp, rank, interleave_size=chunk)
             assert up.dtype == dtype and up.tolist() == expect
 
 
@@ -106,14 +103,13 @@ def test_ranks_that_own_nothing():
     pos = torch.tensor([37, 41])
     assert localize_dcp_indices(pos, 4, 0, interleave_size=8).tolist() == [13, -1]
     assert localize_dcp_indices(pos, 4, 1, interleave_size=8).tolist() == [-1, 9]
-    assert global_position(torch.tensor([13]), 0, 4, 8).tolist() == [37]
-    assert global_position(torch.tensor(9), 1, 4, 8).item() == 41
+    assert get_dcp_positions(torch.tensor([13]), 4, 0, interleave_size=8).tolist() == [37]
+    assert get_dcp_positions(torch.tensor(9), 4, 1, interleave_size=8).item() == 41
 
 
 @pytest.mark.parametrize("kvp,chunk", [(1, 4), (2, 1), (3, 2), (4, 3), (8, 16)])
 def test_extend_segments_and_start(kvp, chunk):
-    """Extend segments ``[prefix_len, seq_len)``: ``local_kv_lens(..., start=)`` /
-    ``get_dcp_lens(start=)`` count the owned new tokens, and they land in the rank's local KV
+    """Extend segments ``[prefix_len, seq_len)``: ``get_dcp_lens(start=)`` counts the owned new tokens, and they land in the rank's local KV
     right after its prefix (``localize_dcp_indices`` of the segment's positions)."""
     g = torch.Generator().manual_seed(kvp * 100 + chunk)
     segments = [(0, 0), (0, 1), (5, 5), (0, 3 * kvp * chunk), (7, 50), (kvp * chunk, 2 * kvp * chunk + 1)]
@@ -121,10 +117,7 @@ def test_extend_segments_and_start(kvp, chunk):
     starts = torch.tensor([a for a, _ in segments])
     spans = torch.tensor([b - a for a, b in segments])
     for rank in range(kvp):
-        counts = local_kv_lens(spans, rank, kvp, chunk, start=starts)
-        assert counts.dtype == torch.int64
-        assert torch.equal(get_dcp_lens(spans, kvp, rank, start=starts, interleave_size=chunk), counts)
-        assert torch.equal(local_kv_lens(spans.tolist(), rank, kvp, chunk, start=starts.tolist()), counts)
+        counts = get_dcp_lens(spans, kvp, rank, start=starts, interleave_size=chunk)
         for (a, b), n in zip(segments, counts.tolist()):
             owned = ref_owned(b, rank, kvp, chunk, start=a)
             assert n == len(owned), (a, b, rank)
@@ -145,7 +138,7 @@ def _allocator_locs(positions: torch.Tensor, kvp: int, chunk: int, seed: int) ->
 
 @pytest.mark.parametrize("kvp,chunk", LAYOUTS)
 def test_write_rows_match_reference(kvp, chunk):
-    """``write_rows``: the physical row of each new token on the rank that owns its position, -1
+    """``localize_dcp_indices`` of the new tokens' ids: the physical row of each new token on the rank that owns its position, -1
     on every other rank (DCP's masked store skips it: no row is written for it)."""
     positions = torch.cat([torch.arange(0, 3 * kvp * chunk + 2), torch.arange(5, 9)])  # [T]
     locs = _allocator_locs(positions, kvp, chunk, seed=kvp * 31 + chunk)
@@ -153,8 +146,8 @@ def test_write_rows_match_reference(kvp, chunk):
     owners = torch.zeros_like(positions)
     for rank in range(kvp):
         for dtype in (torch.int64, torch.int32):
-            rows = write_rows(locs.to(dtype), rank, kvp, chunk)
-            assert rows.dtype == torch.int64 and rows.shape == locs.shape
+            rows = localize_dcp_indices(locs.to(dtype), kvp, rank, interleave_size=chunk)
+            assert rows.dtype == dtype and rows.shape == locs.shape
             want = [
                 ref_local(loc, kvp, chunk) if ref_owner(p, kvp, chunk) == rank else -1
                 for p, loc in zip(positions.tolist(), locs.tolist())
@@ -171,28 +164,39 @@ def test_write_rows_match_reference(kvp, chunk):
 
 @pytest.mark.parametrize("kvp,chunk", [(1, 4), (2, 1), (3, 2), (4, 3), (8, 16)])
 def test_local_kv_indices_positions(kvp, chunk):
-    """``local_kv_indices``' rows and the global position of each (torch_native's lists), against
-    the brute-force owned positions of ``[0, len)`` and their rows."""
+    """torch_native's lists (``create_kv_indices_for_dcp_torch``, from ``[0, len)`` and from a
+    ``kv_start``) and the global position of each row (``get_dcp_positions`` of its local index),
+    against the brute-force owned positions and their rows."""
     lens = torch.tensor([0, 1, chunk + 1, 2 * kvp * chunk + 3, 57])
-    max_len = int(lens.max())
+    starts = torch.tensor([0, 0, 1, kvp * chunk - 1, 13])
+    max_len = int((lens + starts).max())
     req_to_token = torch.stack(
         [_allocator_locs(torch.arange(max_len), kvp, chunk, seed=s) for s in range(len(lens))]
     ).to(torch.int32)
     slots = torch.tensor([3, 1, 4, 0, 2])
     req_to_token = req_to_token[torch.argsort(slots)]  # slot s holds request slots.tolist().index(s)
-    for rank in range(kvp):
-        total = kv_layout.total_local_len(lens, rank, kvp, chunk)
-        indptr, rows, pos = kv_layout.local_kv_indices(req_to_token, slots, lens, total, rank, kvp, chunk)
-        want_pos, want_rows = [], []
+    for rank, start in itertools.product(range(kvp), (None, starts)):
+        local_lens = get_dcp_lens(lens, kvp, rank, start=start, interleave_size=chunk)
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(local_lens, 0)
+        rows = torch.full((int(local_lens.sum()),), -7, dtype=torch.int64)
+        create_kv_indices_for_dcp_torch(req_to_token, slots, local_lens, indptr, start, rows, kvp, rank, chunk)
+        want_rows = []
         for b in range(len(lens)):
-            owned = ref_owned(int(lens[b]), rank, kvp, chunk)
+            a = 0 if start is None else int(start[b])
+            owned = ref_owned(a + int(lens[b]), rank, kvp, chunk, start=a)
             assert int(indptr[b + 1] - indptr[b]) == len(owned)
-            want_pos += owned
             want_rows += [ref_local(int(req_to_token[slots[b], p]), kvp, chunk) for p in owned]
-        assert pos.tolist() == want_pos and rows.tolist() == want_rows, rank
+            if start is None:  # list index j is local index j: its position
+                pos = get_dcp_positions(torch.arange(len(owned)), kvp, rank, interleave_size=chunk)
+                assert pos.tolist() == owned
+        assert rows.tolist() == want_rows, (rank, start)
 
 
 def test_interleave_below_one_is_refused():
-    for fn in (lambda: local_kv_lens(3, 0, 2, 0), lambda: write_rows(torch.tensor([3]), 0, 2, 0)):
+    for fn in (
+        lambda: get_dcp_lens(torch.tensor([3]), 2, 0, interleave_size=0),
+        lambda: localize_dcp_indices(torch.tensor([3]), 2, 0, interleave_size=0),
+    ):
         with pytest.raises(ValueError, match="interleave_size"):
             fn()

@@ -10,7 +10,7 @@ upstream's ``MooncakeKVManager.send_kvcache_dcp`` (the real method, ``sglang_hel
 with its blocks moved by ``memmove`` at the pools' real addresses, with upstream's DCP pack buffer
 (the real ``try_pack_dcp_src``, its kernel interpreted) and without one (the CPU engine's case),
 part-major pages put back by ``unpack_part_major`` -- against Helix's own layout
-(``gqa_layout.write_rows``: what the decode would have written had it run the prefill), each byte
+(``localize_dcp_indices``: what the decode would have written had it run the prefill), each byte
 sent once; and the send's block count per owned page at deployment layouts (K = 8 and 4,
 replicas included). The end-to-end tests (``test_helix_pd_e2e``) start the real servers.
 """
@@ -33,7 +33,7 @@ if STUB_DIR not in sys.path:
 from sglang.srt.disaggregation.common import dcp_gqa  # noqa: E402
 from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params  # noqa: E402
 from sglang.srt.disaggregation.common.utils import build_dcp_token_transfer_plan  # noqa: E402
-from sglang.srt.layers.dcp.gqa_layout import write_rows  # noqa: E402
+from sglang.srt.layers.dcp.layout import localize_dcp_indices  # noqa: E402
 from sglang_helix.testing.pd_send import PrefillRank, decode_reads, dry_pack, host_pack_buffer  # noqa: E402
 
 
@@ -153,7 +153,7 @@ def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2
         heads = list(range(head_rank * K // tpa, (head_rank + 1) * K // tpa))
         rows = 32 * S
         dst, want = (np.zeros((n_layers * 2, rows, len(heads), D_head), np.uint8) for _ in range(2))
-        owned_rows = write_rows(locs, kvp_rank, KVP, S)  # Helix's own layout: the oracle
+        owned_rows = localize_dcp_indices(locs.to(torch.int64), KVP, kvp_rank, S)  # Helix's own layout: the oracle
         for t in range(decode_prefix_len, total):
             if owned_rows[t] >= 0:
                 for layer, kv_i in itertools.product(range(n_layers), range(2)):
@@ -187,7 +187,7 @@ def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2
             assert all(len(b) <= 7 for b in rank.batches)
             sent += sum(int(b[:, 2].sum()) for b in rank.batches)
         # the decode rank, its transfer done: its pages back token-major (part-major when P > TPA)
-        rows = write_rows(locs[decode_prefix_len:], d % KVP, KVP, S).numpy()
+        rows = localize_dcp_indices(locs[decode_prefix_len:].to(torch.int64), KVP, d % KVP, S).numpy()
         pages = np.unique(rows[rows >= 0] // S)
         args = SimpleNamespace(kv_data_ptrs=dst_ptrs, kv_item_lens=dst_item, num_draft_entries=0, page_size=S,
                                total_kv_head_num=K, gpu_id=0)  # fmt: skip

@@ -2,7 +2,7 @@
 
 A deterministic counter of the (query, key) pairs each rank's attention computes per layer:
 
-- torch_native: every query over the owned keys at positions <= its own (``local_kv_indices``
+- torch_native: every query over the owned keys at positions <= its own (``create_kv_indices_for_dcp_torch``
   over ``[0, seq_len)`` with the positional mask): balanced by construction, each pair once;
 - triton: upstream DCP's extend (``_forward_extend_dcp``, which serves the GQA mode): every query
   over this rank's share of the prefix (the backend's own lists, ``init_forward_metadata``), and the
@@ -34,7 +34,7 @@ from sglang_helix.testing.cpu_env import STUB_DIR  # noqa: E402
 if STUB_DIR not in sys.path:  # the sglang imports below pull in sgl_kernel
     sys.path.insert(0, STUB_DIR)
 
-from sglang.srt.layers.dcp import gqa_layout as kv_layout  # noqa: E402
+from sglang.srt.layers.dcp.layout import get_dcp_lens, get_dcp_positions  # noqa: E402
 from sglang_helix.testing.dcp_ranks import Ranks, Shape  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
@@ -86,8 +86,8 @@ def torch_pairs(reqs, kvp_rank: int, kvp: int, pool: torch.Tensor) -> int:
     """Pairs (query, owned key at a position <= the query's) of the torch path's masked softmax."""
     total = 0
     for slot, prefix, seq in reqs:
-        local = torch.arange(kv_layout.total_local_len([seq], kvp_rank, kvp, CHUNK))
-        positions = kv_layout.global_position(local, kvp_rank, kvp, CHUNK)
+        local = torch.arange(int(get_dcp_lens(torch.tensor([seq]), kvp, kvp_rank, interleave_size=CHUNK)))
+        positions = get_dcp_positions(local, kvp, kvp_rank, interleave_size=CHUNK)
         for q in range(prefix, seq):
             total += int((positions <= q).sum())
     return total

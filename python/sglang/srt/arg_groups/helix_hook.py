@@ -270,8 +270,8 @@ def check_unsupported_flags(cfg: Any, features: dict = UNSUPPORTED) -> None:
 
 
 def _check_features(cfg: Any) -> None:
-    """The KV dtype, DP attention, and speculation before a draft opts in (the rest of
-    speculation and PD: their own hooks, in the mode's branch)."""
+    """The KV dtype and DP attention (speculation and PD: their own hooks, in the mode's
+    branch)."""
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
         given = [f"--kv-cache-dtype {cfg.kv_cache_dtype}"]
         fix = "Use --kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2"
@@ -283,8 +283,3 @@ def _check_features(cfg: Any) -> None:
         if not raw(cfg, "enable_dp_attention"):
             given, fix = [f"--attn-dp-size {cfg.attn_dp_size}"], "Set --attn-dp-size 1"
         unsupported(cfg, "DP attention", given, fix)
-    drafts = set(helix_architectures(drafts=True)) - set(helix_architectures())
-    if cfg.speculative_algorithm is not None and not drafts:
-        given = [f"--speculative-algorithm {cfg.speculative_algorithm}"]
-        fix = "Drop --speculative-algorithm"
-        unsupported(cfg, "speculative decoding yet", given, fix)

@@ -1,6 +1,6 @@
 """Moving K/V between logical KV ids in DCP's GQA mode.
 
-A logical id's K/V live on one rank of the DCP group, at the row ``gqa_layout.write_rows`` gives
+A logical id's K/V live on one rank of the DCP group, at the row ``localize_dcp_indices`` gives
 it (-1 on the others). Upstream moves K/V inside one pool (``move_kv_cache``): a tree draft's
 accepted path to the front of the request's verify window, the prefix tail into each draft
 branch's first page. In the GQA mode a source and its target may have different owners (a tree
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang.srt.layers.dcp.gqa_layout import owner_rank, write_rows
+from sglang.srt.layers.dcp.layout import localize_dcp_indices
 from sglang.srt.runtime_context import get_parallel
 
 
@@ -36,9 +36,10 @@ def move_kv_cache_by_owner(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -
         parallel.dcp_interleave_size,
         parallel.dcp_group,
     )
-    src_rows = write_rows(src_loc, k, n, c)  # [M]
+    src_loc, tgt_loc = src_loc.to(torch.int64), tgt_loc.to(torch.int64)
+    src_rows = localize_dcp_indices(src_loc, n, k, c)  # [M]
     # [M]; a target another rank owns: row 0
-    tgt_rows = write_rows(tgt_loc, k, n, c).clamp(min=0)
+    tgt_rows = localize_dcp_indices(tgt_loc, n, k, c).clamp(min=0)
     buffers = list(pool.k_buffer) + list(pool.v_buffer)  # 2L of [rows, K/TPA, D]
     # [M, 2L, K/TPA, D']
     local = torch.stack(
@@ -47,7 +48,7 @@ def move_kv_cache_by_owner(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -
     local.masked_fill_((src_rows < 0).view(-1, 1, 1, 1), 0)
     gathered = local.new_empty((n,) + local.shape)  # [KVP, M, 2L, K/TPA, D']
     group.all_gather_into_tensor(gathered.view(-1, *local.shape[1:]), local)
-    owner = owner_rank(src_loc, n, c)  # [M]
+    owner = (src_loc // c) % n  # [M] the rank that owns each source
     # [M, 2L, K/TPA, D']
     moved = gathered[owner, torch.arange(owner.shape[0], device=owner.device)]
     for i, b in enumerate(buffers):

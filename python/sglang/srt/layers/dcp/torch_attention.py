@@ -28,7 +28,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from sglang.srt.layers.dcp import gqa_layout
+from sglang.kernels.ops.attention.dcp_kernels import create_kv_indices_for_dcp_torch
+from sglang.srt.layers.dcp.layout import (
+    get_dcp_lens,
+    get_dcp_positions,
+    localize_dcp_indices,
+)
 
 # The most fp32 scores [Hk, g, t, l] held at once (128 MiB): queries go in blocks under it.
 _SCORE_ELEMS = 1 << 25
@@ -42,9 +47,10 @@ class DcpTorchMetadata:
     # (owned token indices [t], their rows [t])
     store: Tuple[torch.Tensor, torch.Tensor]
     # the local KV list of positions [0, kv_end) (new tokens included): indptr [B+1], rows [L],
-    # their global positions [L]; the indptr on the host, and per request the first row of its
-    # list when the list is one ascending run of rows (r0, r0 + 1, ...), else None: then the
-    # layers read a view of the pool, no gather (an extend's requests, a lone decode or verify)
+    # the global position of local index j (every list's j-th row) [max list length]; the indptr
+    # on the host, and per request the first row of its list when the list is one ascending run
+    # of rows (r0, r0 + 1, ...), else None: then the layers read a view of the pool, no gather
+    # (an extend's requests, a lone decode or verify)
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_positions: torch.Tensor
@@ -78,18 +84,29 @@ def dcp_torch_metadata(
         return None
     n, k, c = dcp_size, dcp_rank, interleave_size
     # [T], -1: not owned
-    rows = gqa_layout.write_rows(forward_batch.out_cache_loc, k, n, c)
+    rows = localize_dcp_indices(forward_batch.out_cache_loc.to(torch.int64), n, k, c)
     owned = (rows >= 0).nonzero().squeeze(1)
     if draft_rows is not None:
         table, slots, kv_ends, kv_ends_cpu = draft_rows
     else:
         table, slots = req_to_token, forward_batch.req_pool_indices
         kv_ends, kv_ends_cpu = kv_ends_of(forward_batch)
-    total = gqa_layout.total_local_len(kv_ends_cpu, k, n, c)
-    indptr, indices, positions = gqa_layout.local_kv_indices(
-        table, slots, kv_ends, total, k, n, c
+    # this rank's share of [0, kv_end): lengths [B] and their host sum
+    local_lens = get_dcp_lens(kv_ends.to(torch.int64), n, k, interleave_size=c)
+    total = int(
+        get_dcp_lens(torch.as_tensor(kv_ends_cpu), n, k, interleave_size=c).sum()
+    )
+    indptr = torch.zeros(len(local_lens) + 1, dtype=torch.int32, device=table.device)
+    torch.cumsum(local_lens, dim=0, out=indptr[1:])
+    indices = torch.empty(total, dtype=torch.int64, device=table.device)
+    create_kv_indices_for_dcp_torch(
+        table, slots, local_lens, indptr, None, indices, n, k, interleave_size=c
     )
     indptr_host = indptr.tolist()  # (the CPU path: host values are free)
+    longest = max((b - a for a, b in zip(indptr_host, indptr_host[1:])), default=0)
+    positions = get_dcp_positions(
+        torch.arange(longest, device=table.device), n, k, interleave_size=c
+    )
     padded = mode.is_decode() or mode.is_target_verify()
     batch_size = len(indptr_host) - 1
     meta = DcpTorchMetadata(
@@ -127,7 +144,7 @@ def _pad_lists(meta: DcpTorchMetadata, forward_batch) -> None:
     if forward_batch.forward_mode.is_decode():  # a decode token sees every key
         meta.padded_visible = valid[:, None, :]
         return
-    key_pos = torch.where(valid, meta.kv_positions[at], 0)  # [B, L]
+    key_pos = torch.where(valid, meta.kv_positions[None, :L], 0)  # [B, L]
     Q = forward_batch.spec_info.draft_token_num
     tree = tree_mask_of(forward_batch)
     if tree is not None:
@@ -211,7 +228,7 @@ def dcp_partial_attention(
             _read_rows(v_buf, rows, v_descale),
             layer.scaling,
             forward_batch.positions[tok].long(),
-            meta.kv_positions[lo:hi],
+            meta.kv_positions[: hi - lo],
         )
     return out, lse
 
@@ -303,56 +320,40 @@ def _attend(q, k, v, scaling, mask):
     return _attend_batch(q, k[None], v[None], scaling, visible)
 
 
-def _attend_batch(q, k, v, scaling, visible):
+def _attend_batch(q, k, v, scaling, visible, cpu_flash=None):
     """``q [B * Q, H, D]`` (request-major) over ``k [B, L, Hk, D]`` / ``v [B, L, Hk, Dv]``,
     ``visible [B, Q or 1, L]``: ``(out [B * Q, H, Dv] fp32, lse [B * Q, H])``; a query that sees
-    no key: 0, -inf."""
-    T, H, _ = q.shape
-    if k.shape[1] == 0 or T == 0:  # this rank owns no key of the batch
+    no key: 0, -inf. Each KV head's query rows are its group's heads x the request's queries
+    ``[B, Hk, g * Q, D]`` under the additive mask ``[B, 1, g * Q or 1, L]``: on the CPU one call
+    of torch's flash kernel (which returns the LSE), elsewhere through the fp32 scores
+    (``cpu_flash``: which; by default, by ``q``'s device)."""
+    T, H, D = q.shape
+    B, L, num_kv_heads, _ = k.shape
+    if L == 0 or T == 0:  # this rank owns no key of the batch
         out = torch.zeros(T, H, v.shape[3], dtype=torch.float32, device=q.device)
         return out, torch.full((T, H), float("-inf"), device=q.device)
-    if q.device.type == "cpu":
-        return _attend_batch_cpu(q.float(), k, v, scaling, visible)
-    return _attend_batch_scores(q.float(), k, v, scaling, visible)
-
-
-def _attend_batch_cpu(q, k, v, scaling, visible):
-    """``_attend_batch`` in one call of the CPU flash kernel: each KV head's query rows are its
-    group's heads x the request's queries ``[B, Hk, g * Q, D]``; the additive mask
-    ``[B, 1, g * Q or 1, L]``."""
-    B, L, num_kv_heads, _ = k.shape
-    T, H, D = q.shape
     Q, group = T // B, H // num_kv_heads
-    qg = q.reshape(B, Q, num_kv_heads, group, D).permute(0, 2, 3, 1, 4)
+    qg = q.float().reshape(B, Q, num_kv_heads, group, D).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(B, num_kv_heads, group * Q, D)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, L, D]
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
     bias = bias.masked_fill_(~visible, -math.inf)
     if visible.shape[1] > 1:
         bias = bias.repeat(1, group, 1)
-    # [B, Hk, g * Q, Dv], [B, Hk, g * Q]
-    o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qg.reshape(B, num_kv_heads, group * Q, D),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        0.0,
-        False,
-        attn_mask=bias[:, None],
-        scale=scaling,
-    )
+    bias = bias[:, None]
+    if q.device.type == "cpu" if cpu_flash is None else cpu_flash:
+        # [B, Hk, g * Q, Dv], [B, Hk, g * Q]
+        o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, k, v, 0.0, False, attn_mask=bias, scale=scaling
+        )
+    else:
+        s = torch.matmul(qg, k.transpose(-1, -2)) * scaling + bias  # [B, Hk, g * Q, L]
+        m = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible
+        o = torch.matmul(
+            torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None]), v
+        )
     o = o.view(B, num_kv_heads, group, Q, -1).permute(0, 3, 1, 2, 4).reshape(T, H, -1)
     m = m.view(B, num_kv_heads, group, Q).permute(0, 3, 1, 2).reshape(T, H)
     blind = ~visible.any(dim=2).expand(B, Q).reshape(T)  # queries that see no key here
     o[blind], m[blind] = 0.0, -math.inf
     return o, m
-
-
-def _attend_batch_scores(q, k, v, scaling, visible):
-    """``_attend_batch`` through the fp32 scores ``[B, Hk, g, Q, L]`` (any device)."""
-    B, L, num_kv_heads, _ = k.shape
-    T, H, D = q.shape
-    Q, group = T // B, H // num_kv_heads
-    s = torch.einsum("bqkgd,blkd->bkgql", q.reshape(B, Q, num_kv_heads, group, D), k)
-    s = (s * scaling).masked_fill(~visible[:, None, None], float("-inf"))
-    m = torch.logsumexp(s, dim=-1)  # [B, Hk, g, Q]; -inf where nothing is visible
-    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
-    o = torch.einsum("bkgql,blkd->bqkgd", p, v).reshape(T, H, -1)
-    return o, m.permute(0, 3, 1, 2).reshape(T, H)
