@@ -7,7 +7,7 @@ on a model that is not MLA, the a2a exchange (fi_a2a where named), ``--dcp-inter
 does not run with and resolves the attention backend, prefill CUDA graphs (off) and the KV page
 (``page_size`` C: DCP allocates pages of C x K, one interleave run per rank). The model, the
 speculation and PD are checked in upstream's steps for them (attention_hook, speculative_hook,
-pd_disaggregation_hook). Messages name the mode as launched (DCP's flags or Helix's)."""
+pd_disaggregation_hook). Messages name the mode as launched (``parallel_hook.dcp_gqa_spelling``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from sglang.srt.arg_groups.overrides import (
     model_config_of,
     resolving_view,
 )
+from sglang.srt.arg_groups.parallel_hook import dcp_gqa_spelling as spelling
 from sglang.srt.configs.model_config import AttentionArch
 from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
@@ -61,15 +62,6 @@ def raw(cfg: Any, field: str) -> Any:  # as typed (a view reads its record's)
     return (getattr(cfg, "_raw_input", None) or {}).get(field)
 
 
-def spelling(cfg: Any) -> tuple:
-    """(the mode as launched, its size flag, its chunk flag, how to turn it off)."""
-    if (raw(cfg, "helix_kvp_size") or 1) > 1:
-        flags = ("--helix-kvp-size", "--helix-kvp-chunk-size", "use --helix-kvp-size 1")
-        return (f"--helix-kvp-size {cfg.dcp_size}", *flags)
-    flags = ("--dcp-size", "--dcp-interleave-size", "drop --dcp-replicate-q-proj")
-    return (f"--dcp-size {cfg.dcp_size} --dcp-replicate-q-proj", *flags)
-
-
 def fail(cfg: Any, problem: str, fix: str = "") -> None:
     off = spelling(cfg)[3]
     fix = f"{fix}, or {off}" if fix else off.capitalize()
@@ -104,10 +96,6 @@ def resolve_dcp_gqa_mode(server_args: Any) -> None:
         msg = f"--dcp-interleave-size must be >= 1, got --dcp-interleave-size {i}"
         raise HelixConfigError(f"{msg}. Use a positive --dcp-interleave-size.")
     if not dcp_gqa_mode(cfg):
-        if (raw(cfg, "helix_kvp_size") or 1) > 1:  # replicated Q on MLA is upstream's
-            mla, k = f"--model-path {cfg.model_path} is MLA", cfg.dcp_size
-            fix = f"Use --dcp-size {k} --dcp-replicate-q-proj (upstream DCP's replicated Q for MLA)"
-            fail(cfg, f"--helix-kvp-size {k} is DCP's GQA mode, but {mla}", fix)
         if i != 1:
             mode = "--dcp-size > 1 --dcp-replicate-q-proj on a GQA model"
             msg = f"--dcp-interleave-size {i} needs DCP's GQA mode ({mode})"
