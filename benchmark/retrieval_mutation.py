@@ -49,7 +49,7 @@ def main(mode: str) -> None:
         shutil.copy2(path, backup)
         with open(path, "w") as f:
             f.write(text.replace(ANCHOR, MUTATED))
-        print(f"mutated {path} (rank 1 drops its owned chunk {DROP_LOCAL_CHUNK}); backup {backup}")
+        print(f"mutated {path} (rank 1 reads row 0 for its owned chunk {DROP_LOCAL_CHUNK}); backup {backup}")
     elif mode == "revert":
         assert os.path.exists(backup), f"no backup at {backup}"
         shutil.copyfile(backup, path)  # new mtime: the stale .pyc is recompiled
