@@ -73,6 +73,34 @@ def test_a_compile_without_resource_figures_is_a_problem():
         assert len(bad) == 1 and bad[0].startswith("no resource figures") and absent in bad[0], bad
 
 
+@pytest.mark.parametrize("reproduces", [False, True])
+def test_a_decode_spill_must_reproduce(tmp_path, monkeypatch, reproduces):
+    """A decode-stage spill is recompiled once in a fresh Triton cache: one that does not come back
+    is recorded beside the clean result and is not a problem (ptxas reported two such on
+    2026-12-06); one that does is."""
+    import json
+
+    spec = next(s for s in ts.load_fixture() if s["kernel"].endswith(":_fwd_grouped_kernel_stage1"))
+    calls = []
+
+    def compile_one(spec, target, variant=None, use_cache=True):
+        calls.append(os.environ["TRITON_CACHE_DIR"])
+        spill = 12 if reproduces or len(calls) == 1 else 0
+        return {"ok": True, "shared": 0, "regs": 168, "spill_stores": spill, "spill_loads": spill, "cached": False}
+
+    monkeypatch.setattr(ts, "compile_one", compile_one)
+    monkeypatch.setattr(ts, "cache_entry", lambda *a: tmp_path / "entry.json")
+    (tmp_path / "in.json").write_text(json.dumps([[spec, "sm100", None, True]]))
+    ts._worker(str(tmp_path / "in.json"), str(tmp_path / "out.json"))
+    [r] = json.loads((tmp_path / "out.json").read_text())
+    assert len(calls) == 2 and calls[0] != calls[1]  # recompiled, in a fresh Triton cache
+    bad = ts.problems([(spec, "sm100", None, r)])
+    if reproduces:
+        assert len(bad) == 1 and bad[0].startswith("spill (12 B stores"), bad
+    else:
+        assert bad == [] and r["unreproduced_spill"] == [12, 12] and r["spill_stores"] == 0
+
+
 @pytest.mark.skipif(not FULL_SERIES, reason="the check runs against the installed, fully patched tree only")
 def test_a_missing_fixture_fails_the_run(tmp_path):
     """The end-of-session coverage check (``triton_record``) fails a run without its fixture

@@ -28,7 +28,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
         table = backend.req_to_token_pool.req_to_token
         meta = dcp_torch_metadata(forward_batch, table, kvp_size, kvp_rank, chunk)  # the host-built lists
         kv_pool = backend.token_to_kv_pool
-        positions = meta.kv_positions
+        positions = meta.kv_positions  # [longest]: the global position of local index j
         k_buf = kv_pool.get_key_buffer(layer.layer_id)
         v_buf = kv_pool.get_value_buffer(layer.layer_id)
         indptr = meta.kv_indptr.tolist()
@@ -39,7 +39,7 @@ if os.environ.get("HELIX_KV_DUMP_DIR"):
                 "layer_id": layer.layer_id, "slot": slot, "seq_len": int(seq_len),
                 "tp_rank": parallel.tp_rank, "kvp_rank": kvp_rank, "kvp_size": kvp_size,
                 "tpa_rank": parallel.tp_rank // parallel.attn_dcp_size, "chunk": chunk,
-                "positions": positions[indptr[b] : indptr[b + 1]].cpu(),
+                "positions": positions[: indptr[b + 1] - indptr[b]].cpu(),  # of local 0, 1, ...
                 "k": k_buf[rows].float().cpu(), "v": v_buf[rows].float().cpu(),
             }  # fmt: skip
             path = os.path.join(DUMP_DIR, f"layer{layer.layer_id}_slot{slot}_tp{parallel.tp_rank}.pt")
