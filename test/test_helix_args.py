@@ -74,11 +74,11 @@ def resolve(model_path: str, args: list[str]):
 
 
 def helix_error(model_path: str, args: list[str]) -> str:
-    from sglang.srt.arg_groups.helix_hook import HelixConfigError
+    from sglang.srt.arg_groups.resolution_hooks import ServerArgsError
 
-    with pytest.raises(HelixConfigError) as info:
+    with pytest.raises(ServerArgsError) as info:
         resolve(model_path, args)
-    assert isinstance(info.value, ValueError)  # reported like every other arg hook
+    assert isinstance(info.value, ValueError)  # caught like every other arg hook's error
     return str(info.value)
 
 
@@ -979,6 +979,32 @@ def test_an_upstream_argument_error_is_a_usage_error_not_a_traceback(model):
     assert "sglang serve: error: Decode context parallel size (--dcp-size / --decode-context-parallel-size) must be >= 1, but got dcp_size=0." in proc.stderr.splitlines(), output
 
 
+@pytest.mark.parametrize("error", ["ServerArgsError", "ValueError"])
+def test_only_a_server_args_error_is_a_usage_error(error, capsys):
+    """launch_server prints a ServerArgsError (a user's mistake) as a usage error; an internal
+    ValueError (a bug in a resolution step) keeps its traceback (the [Server] patch)."""
+    from types import SimpleNamespace
+
+    from sglang.launch_server import run_server
+    from sglang.srt.arg_groups.resolution_hooks import ServerArgsError
+
+    exc = {"ServerArgsError": ServerArgsError, "ValueError": ValueError}[error]("a message")
+
+    def resolve_once():
+        raise exc
+
+    server_args = SimpleNamespace(smg_grpc_mode=False, grpc_mode=False, resolve_once=resolve_once)
+    if error == "ValueError":
+        with pytest.raises(ValueError) as info:
+            run_server(server_args)
+        assert info.value is exc
+        return
+    with pytest.raises(SystemExit) as info:
+        run_server(server_args)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "sglang serve: error: a message\n"
+
+
 @pytest.mark.parametrize("chunk,kvp,ok", [(64, 2, True), (64, 4, True), (1, 8, True), (64, 3, False), (96, 2, False), (48, 4, False)])
 def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     """Off the CPU the paged allocator's Triton kernels take ``tl.arange(0, page_size)``: a page of
@@ -986,7 +1012,8 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     allocates in torch (the table above serves pages of 192 there)."""
     from types import SimpleNamespace
 
-    from sglang.srt.arg_groups.helix_hook import HelixConfigError, _resolve_kv_page
+    from sglang.srt.arg_groups.helix_hook import _resolve_kv_page
+    from sglang.srt.arg_groups.resolution_hooks import ServerArgsError
 
     cfg = SimpleNamespace(device="cuda", dcp_interleave_size=chunk, dcp_size=kvp, tp_size=kvp * 2, page_size=chunk,
                           max_total_tokens=None, chunked_prefill_size=None, _raw_input={"helix_kvp_size": kvp})  # fmt: skip
@@ -994,7 +1021,7 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     if ok:
         _resolve_kv_page(None, cfg)
         return
-    with pytest.raises(HelixConfigError) as info:
+    with pytest.raises(ServerArgsError) as info:
         _resolve_kv_page(None, cfg)
     msg = str(info.value)
     assert msg.startswith(f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {chunk * kvp}: on --device cuda")

@@ -493,7 +493,7 @@ PREFIX_TESTS = {
         "test/test_scheduler_admission.py",
     ],
     "[Server] launch_server: an argument error is a usage error, not a traceback": [
-        "test/test_helix_args.py", "-m", "not e2e", "-k", "a_usage_error_not_a_traceback",
+        "test/test_helix_args.py", "-m", "not e2e", "-k", "a_usage_error_not_a_traceback or only_a_server_args_error",
     ],
     "[DCP] Server args: the GQA mode, its interleave and what it runs with": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
@@ -558,7 +558,10 @@ PREFIX_TESTS = {
     "[CPU] FP8 linear and MoE without AMX: dequantize the weight, multiply in torch": [
         "test/test_fp8_cpu.py", "-m", "not e2e",
     ],
-    "[DCP] GQA-mode decode: stage 2 writes the All-to-All's send buffer, and a split extent per batch": [
+    "[DCP] GQA-mode decode: stage 2 writes the All-to-All's send buffer": [
+        "test/test_helix_decode_graph.py", "test/test_helix_merge.py", "-m", "not e2e", "-k", "not pd_prefill",
+    ],
+    "[DCP] GQA-mode decode: a split extent per batch from the SM count": [
         "test/test_helix_decode_graph.py", "test/test_helix_memory.py", "test/test_helix_merge.py", "-m", "not e2e",
         "-k", "not pd_prefill",
     ],
@@ -566,7 +569,7 @@ PREFIX_TESTS = {
 # Each new module enters with the patch that first uses it (the prefix check installs it there,
 # the upstream branch adds it in that patch's commit): no patch brings in code nothing runs.
 _SERVER_ARGS = "[DCP] Server args: the GQA mode, its interleave and what it runs with"
-_DECODE_PERF = "[DCP] GQA-mode decode: stage 2 writes the All-to-All's send buffer, and a split extent per batch"
+_DECODE_PERF = "[DCP] GQA-mode decode: a split extent per batch from the SM count"
 NEW_MODULE_PATCHES = {
     "sglang/srt/layers/dcp/torch_attention.py": "[torch_native] Decode context parallelism",
     "sglang/srt/arg_groups/helix_hook.py": _SERVER_ARGS,
@@ -582,7 +585,7 @@ NEW_MODULE_PATCHES = {
 # (number, title, subject of its first patch, subject of its last patch): each a contiguous range
 # of the series; together they are the whole series, in order (``pr_ranges`` checks both).
 PRS = [
-    (0, "Two fixes unrelated to DCP", "[Scheduler] ", "[Server] "),
+    (0, "Two fixes: a prompt the pool cannot hold, an argument error at launch", "[Scheduler] ", "[Server] "),
     (1, "[DCP] fixes: GQA K/V, the Triton extend, drafts, the fused write",
      "[DCP] GQA models replicate K/V", "[DCP] The fused rope + KV write is off"),
     (2, "[torch_native] Decode context parallelism and speculative decoding",
@@ -594,7 +597,7 @@ PRS = [
     (5, "[DCP] Speculation in the GQA mode", "[DCP] KV cache: a speculative draft is sharded", "[DCP] EAGLE: the Llama draft head"),
     (6, "[DCP] PD disaggregation into the GQA mode", "[DCP] PD: a GQA decode server", "[DCP] PD: a GQA decode server"),
     (7, "[DCP] GQA-mode decode performance (needs GPU numbers)",
-     "[Kernel] Triton decode stage 2: optional head-split", "[DCP] GQA-mode decode: stage 2 writes"),
+     "[Kernel] Triton decode stage 2: optional head-split", "[DCP] GQA-mode decode: a split extent"),
 ]  # fmt: skip
 # The review budget (issue 60): the PRs that carry the mode's logic, together.
 PR_BUDGET = ((1, 2, 4, 5), 2100)

@@ -20,6 +20,7 @@ from sglang.srt.arg_groups.overrides import (
     resolving_view,
 )
 from sglang.srt.arg_groups.parallel_hook import dcp_gqa_spelling as spelling
+from sglang.srt.arg_groups.resolution_hooks import ServerArgsError
 from sglang.srt.configs.model_config import AttentionArch
 from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
@@ -54,10 +55,6 @@ UNSUPPORTED = {
 }
 
 
-class HelixConfigError(ValueError):  # launch_server reports it as a usage error
-    pass
-
-
 def raw(cfg: Any, field: str) -> Any:  # as typed (a view reads its record's)
     return (getattr(cfg, "_raw_input", None) or {}).get(field)
 
@@ -65,7 +62,7 @@ def raw(cfg: Any, field: str) -> Any:  # as typed (a view reads its record's)
 def fail(cfg: Any, problem: str, fix: str = "") -> None:
     off = spelling(cfg)[3]
     fix = f"{fix}, or {off}" if fix else off.capitalize()
-    raise HelixConfigError(f"{problem}. {fix}.")
+    raise ServerArgsError(f"{problem}. {fix}.")
 
 
 def unsupported(cfg: Any, feature: str, given: list, fix: str) -> None:
@@ -94,12 +91,12 @@ def resolve_dcp_gqa_mode(server_args: Any) -> None:
     i = cfg.dcp_interleave_size
     if i < 1:
         msg = f"--dcp-interleave-size must be >= 1, got --dcp-interleave-size {i}"
-        raise HelixConfigError(f"{msg}. Use a positive --dcp-interleave-size.")
+        raise ServerArgsError(f"{msg}. Use a positive --dcp-interleave-size.")
     if not dcp_gqa_mode(cfg):
         if i != 1:
             mode = "--dcp-size > 1 --dcp-replicate-q-proj on a GQA model"
             msg = f"--dcp-interleave-size {i} needs DCP's GQA mode ({mode})"
-            raise HelixConfigError(f"{msg}. Drop --dcp-interleave-size.")
+            raise ServerArgsError(f"{msg}. Drop --dcp-interleave-size.")
         return
     (mode, size, _, _), n, k = spelling(cfg), cfg.tp_size, cfg.dcp_size
     if n % k:
