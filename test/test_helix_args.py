@@ -968,8 +968,8 @@ def test_launch_server_fails_fast_without_traceback(model, spec, args, message):
 
 
 def test_an_upstream_argument_error_is_a_usage_error_not_a_traceback(model):
-    """launch_server prints any resolution ValueError as argparse prints a usage error: here
-    upstream DCP's own check, with Helix off (the [Server] patch)."""
+    """launch_server prints a ServerArgsError as argparse prints a usage error: here upstream
+    DCP's own check, which raises one, with Helix off (the [Server] patch)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model(), "--device", "cpu", "--tp", "2",
            "--dcp-size", "0"]  # fmt: skip
     proc = subprocess.run(cmd, env=cpu_server_env(2), capture_output=True, text=True, timeout=180,
