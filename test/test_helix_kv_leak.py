@@ -27,8 +27,9 @@ idle, and asserted:
   is still up and healthy;
 - rank 0 from outside: ``/v1/loads`` reports 0 used tokens before and after;
 - every rank, from its own busy-check lines: the first request after the workload (a health check,
-  one page) sees exactly what the first request after startup saw, ``(256, 248 free, 8 owned)``:
-  every rank's free count is back to its initial value;
+  one page of 8 ids) sees exactly what the first request after startup saw, ``(256 total, 248
+  free, 4 uncached)`` (upstream counts the request's rows in the scheduler's page of 4): every
+  rank's free count is back to its initial value;
 - the completed generations (retracted and recomputed ones included) and a final request decode
   the same tokens as transformers.
 
@@ -38,9 +39,16 @@ drafts are released (issue 27). The scheduler then admits against the draft wind
 pool runs low (to ~24 of 256 free ids per rank) without a retraction; that is asserted instead.
 
 ``test_leak_checks_catch_an_injected_fault`` proves the test fails
-when the release path is broken on one non-zero rank: a page kept (caught by the busy check, or
-with busy checks off by the idle check), or a page released twice (caught by the allocator's
-debug check).
+when the release path is broken on one non-zero rank: a page kept (caught by the per-rank free
+counts above), or a page released twice (caught by the allocator's debug check).
+
+Upstream's busy and idle checks (``available + evictable + protected + uncached == total``) excuse
+DCP: their ``dcp_page_alloc`` branch reports a mismatch but does not fail on it ("legacy DCP
+counters use different page/capacity units": the scheduler rounds a request's rows to its own page,
+``--helix-kvp-chunk-size``, the allocator's page is KVP times that). Under the mode a kept page is
+therefore caught by this test's own comparison of each rank's free count before and after, not
+by upstream's conservation check; a double free and a page both owned and free are still
+upstream's and the allocator's checks.
 """
 
 from __future__ import annotations
@@ -204,15 +212,12 @@ def test_aborts_and_retraction_leak_no_kv(model_dir, server_log_dir, scenario):
 
 # A broken release path must fail the test above: the same scenario with a fault injected into the
 # paged allocator of TP rank 3 only (test/fault_injection/sitecustomize.py), so rank 0's view
-# (/v1/loads) stays clean. Three more torch_native servers (~1-2 min each on 2 cores).
+# (/v1/loads) stays clean. Two more torch_native servers (~1-2 min each on 2 cores).
 FAULTS = {
-    "leak-busy-check": ("leak", DEBUG_ENV, r"TP3\] Scheduler hit an exception.*Full Pool Mem Leak Detected"),
-    "leak-idle-check": (
-        "leak",
-        {**DEBUG_ENV, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "0", "SGLANG_CHECK_KV_PAGE_INVARIANTS": "0"},
-        r"TP3\] Scheduler hit an exception.*pool memory leak detected",
-    ),
-    "double-free": ("double_free", DEBUG_ENV, r"TP3\] Scheduler hit an exception.*AssertionError"),
+    # One page kept on TP3 by the release that empties the pool (the workload's last): while requests
+    # run or wait, a rank with a page fewer would admit and retract differently from the others.
+    "leak": ("leak", {"HELIX_INJECT_WHEN": "empties"}, r"TP3: after the workload \(total, available, uncached\) = \(256, 240, "),
+    "double-free": ("double_free", {}, r"TP3\] Scheduler hit an exception.*AssertionError"),
 }
 
 
@@ -225,8 +230,8 @@ def test_leak_checks_catch_an_injected_fault(model_dir, server_log_dir, monkeypa
     mode, env, message = FAULTS[fault]
     inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_injection")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (inject, os.environ.get("PYTHONPATH")) if p))
-    env = {**env, "HELIX_INJECT": mode, "HELIX_INJECT_RANK": "3", "HELIX_INJECT_AT": "6"}
-    with pytest.raises(pytest.fail.Exception) as failed:
+    env = {**DEBUG_ENV, **env, "HELIX_INJECT": mode, "HELIX_INJECT_RANK": "3", "HELIX_INJECT_AT": "6"}
+    with pytest.raises((pytest.fail.Exception, AssertionError)) as failed:
         _leak_scenario(model_dir(GQA), server_log_dir, env)
     assert re.search(message, str(failed.value), re.S), str(failed.value)[:3000]
 
@@ -317,8 +322,11 @@ def _leak_scenario(model_path: str, server_log_dir: str, env: dict, scenario: st
     for rank in ranks:
         first, low, again = before[rank][0], min(a for _, a, _ in before[rank]), after[rank][0]
         assert all(t == total for t, _, _ in before[rank] + after[rank]), f"TP{rank}: total is not {total}"
-        # one page for the health check's token (and, speculating, its draft window: one more)
-        assert first[1] + first[2] == total and first[2] <= PAGE * (2 if sc.speculative else 1), f"TP{rank}: first busy check {first}"
+        # One page for the health check's token (and, speculating, its draft window: one more).
+        # Upstream's check rounds a request's rows to the scheduler's page (the chunk, PAGE / KVP);
+        # the allocator hands out whole pages of PAGE ids.
+        held = -(-first[2] // PAGE) * PAGE
+        assert first[1] + held == total and held <= PAGE * (2 if sc.speculative else 1), f"TP{rank}: first busy check {first}"
         assert again == first, f"TP{rank}: after the workload (total, available, uncached) = {again}, at startup {first}"
         assert low < total // 4, f"TP{rank}: the pool never ran low (min free {low})"
 
