@@ -106,7 +106,7 @@ def generate(base_url: str, input_ids: list, max_tokens: int = 8):
 
 def fp8_kv_workload(base_url):
     """The standard probe; one ~300-token prompt twice (the second a radix-cache hit); then rank 0
-    idle and every rank's idle checks (``kv_checks.DEBUG_ENV``)."""
+    idle, every rank's checks (``kv_checks.DEBUG_ENV``) silent and every rank's counts rank 0's."""
     result = probe(base_url)
     radix = [generate(base_url, RADIX_PROMPT) for _ in range(2)]
     idle = kv_checks.wait_idle(base_url)
@@ -148,6 +148,8 @@ def assert_served_and_released(run, what, tp):
     assert run.result["idle"]["num_used_tokens"] == 0, f"{what}: {run.result['idle']}"
     busy = kv_checks.busy_counts(run.log)
     assert sorted(busy) == list(range(tp)), f"{what}: pool checks from ranks {sorted(busy)}"
+    # every rank's pool as rank 0's at every batch (the radix cache keeps pages, so not its start)
+    assert not kv_checks.ranks_disagree(run.log), f"{what}: {kv_checks.ranks_disagree(run.log)[:5]}"
 
 
 def max_logprob_diff(ref, got) -> float:

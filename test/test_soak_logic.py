@@ -91,3 +91,17 @@ def test_openai_streams_are_judged_by_their_text():
     assert "streamed" in soak.compare([req], [ref], [got])[0][2]
     ref.gens[0].top2[1] = [-0.2, -0.2005]  # an indecisive reference step: the texts may differ
     assert soak.compare([req], [ref], [got]) == []
+
+
+def test_ranks_disagree_finds_the_rank_and_the_batch():
+    from sglang_helix.testing.kv_checks import ranks_disagree
+
+    def log(available: dict) -> str:  # {rank: [available at batch 0, 1, ...]}, ranks interleaved
+        line = "[2026-12-06 10:19:16 TP{}] [Mem Check (BUSY)] [full] total=256, available={}, evictable=0, uncached=4, x=1"
+        rows = [(k, r, a) for r, seq in available.items() for k, a in enumerate(seq)]
+        return "\n".join(line.format(r, a) for k, r, a in sorted(rows, key=lambda t: (t[0], -t[1])))
+
+    assert ranks_disagree(log({r: [248, 200, 248] for r in range(4)})) == []
+    kept = {0: [248, 200, 248], 1: [248, 200, 248], 2: [248, 192, 240], 3: [248, 200, 248]}
+    assert ranks_disagree(log(kept)) == ["TP2: busy check 1 (total, available, uncached) = (256, 192, 4), TP0's (256, 200, 4)"]
+    assert ranks_disagree(log({0: [248, 200, 248], 1: [248, 200]})) == ["TP1: 2 busy checks, TP0: 3"]

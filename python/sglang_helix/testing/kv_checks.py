@@ -76,6 +76,23 @@ def busy_counts(log: str) -> dict:
     return out
 
 
+def ranks_disagree(log: str) -> list:
+    """Where a rank's busy checks part from TP0's. Every rank runs the same batches on an allocator
+    that is rank-invariant by design, so the k-th check of every rank logs the same
+    ``(total, available, uncached)``: a page kept or lost on one rank shows here, where rank 0's
+    ``/v1/loads`` cannot see it and upstream's conservation check, which excuses DCP, does not fail."""
+    counts = busy_counts(log)
+    ref = counts.get(0, [])
+    out = []
+    for rank, seq in sorted(counts.items()):
+        if len(seq) != len(ref):
+            out.append(f"TP{rank}: {len(seq)} busy checks, TP0: {len(ref)}")
+        k = next((i for i, (a, b) in enumerate(zip(seq, ref)) if a != b), None)
+        if k is not None:
+            out.append(f"TP{rank}: busy check {k} (total, available, uncached) = {seq[k]}, TP0's {ref[k]}")
+    return out
+
+
 def fired_checks(log: str) -> list:
     """Log lines of checks that fired (empty when every rank's checks passed)."""
     return [line for line in log.splitlines() if any(p in line for p in LEAK_PATTERNS)]
