@@ -112,7 +112,8 @@ def run(ranks, record, batch, q, k, v, scaling, writes, seen, build=None, backen
     for t, (slot, tp) in enumerate(writes):
         record.write(layer_id, slot, tp, k[t], v[t])
     scales = record.scales if record.kv_dtype != torch.float32 else None
-    L = layer(SHAPE, scaling=scaling, scales=scales, layer_id=layer_id)
+    shape = ranks.shape
+    L = layer(shape, scaling=scaling, scales=scales, layer_id=layer_id)
 
     def fn(rank):
         backend = (backends or ranks.backends)[rank]
@@ -124,9 +125,9 @@ def run(ranks, record, batch, q, k, v, scaling, writes, seen, build=None, backen
 
     outs = ranks.run(fn)
     ref = reference(q, [[kv(layer_id) for kv in keys] for keys in seen], scaling)
-    h = SHAPE.heads // SHAPE.kvp
+    h = shape.heads // shape.kvp
     for rank, out in enumerate(outs):
-        out = out.view(q.shape[0], h, SHAPE.head_dim).double()
+        out = out.view(q.shape[0], h, shape.head_dim).double()
         # an fp8 pool: Triton's GQA kernels also multiply fp8 V by the probabilities cast to fp8
         atol = 5e-6 if record.kv_dtype == torch.float32 else 2.5 * record.rounding
         torch.testing.assert_close(out, ref[:, rank * h : (rank + 1) * h], atol=atol, rtol=0)
@@ -217,9 +218,20 @@ def test_speculative_forwards_are_exact(backend, tree):
     """A prefill, then the forwards of two speculative iterations: a target verify (a chain:
     causal; a tree: by its mask), a draft extend, and the draft's decode steps (top-k 2 branches
     for the tree, each on its own pages), each rank over its own KV."""
+    _speculative_forwards(SHAPE, backend, tree)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_plain_torch_native_speculative_forwards_are_exact(tree):
+    """The same forwards on one rank without DCP: torch_native's own draft decode, target verify
+    and draft extend (upstream 0.5.23 has none; the series' torch_native speculation patch)."""
+    _speculative_forwards(Shape(**{**SHAPE.__dict__, "kvp": 1}), "torch_native", tree)
+
+
+def _speculative_forwards(shape, backend, tree):
     topk, steps, n = (2, 3, 4) if tree else (1, 3, 4)
     spec = Spec(num_steps=steps, topk=topk, num_draft_tokens=n)
-    ranks = Ranks(SHAPE, backend, spec=spec, num_layers=2)  # the target's layer 0, the draft's 1
+    ranks = Ranks(shape, backend, spec=spec, num_layers=2)  # the target's layer 0, the draft's 1
     record, g, scaling = Record(torch.float32, None), torch.Generator().manual_seed(1), 0.29
     in_hand = backend == "triton"
     slots, committed = [0, 1], [7, 5]
@@ -266,7 +278,7 @@ def test_speculative_forwards_are_exact(backend, tree):
 
         # the draft's decode steps over the committed prefix: step i of branch t writes at its
         # branch's table position start_t + i and sees the prefix and its branch's drafts 0..i
-        page = SHAPE.page
+        page = shape.page
         starts = {
             (s, t): c + t * ((c % page + steps + page - 1) // page) * page
             for s, c in zip(slots, committed)

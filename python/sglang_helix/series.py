@@ -448,10 +448,12 @@ PREFIX_TESTS = {
         "test/test_dcp_extensions.py", "-k", "torch",
     ],
     "[CPU] Speculative verify: the QLEN_ONLY tree mask only for intel_amx": [
-        "test/test_spec_baseline_e2e.py", "-k", "tree_mask_mode",
+        # (+ full tier: torch_native STANDALONE served on the CPU engine, which needs this patch)
+        "test/test_spec_baseline_e2e.py", "-k", "tree_mask_mode or standalone_torch_native_matches",
     ],
     "[torch_native] Speculative draft decode and target verify": [
-        "test/test_spec_baseline_e2e.py", "-k", "standalone_torch_native_matches",
+        # (a server needs the CPU PR on this machine: served at the QLEN_ONLY patch's prefix)
+        "test/test_helix_attention.py", "-k", "plain_torch_native_speculative",
     ],
     "[Distributed] Do not create a PyNccl communicator for gloo groups": ["test/test_helix_groups.py"],
     "[Kernel] Triton decode stage 2: optional merged-LSE output": [
@@ -477,8 +479,8 @@ PREFIX_TESTS = {
         "test/test_helix_attention.py", "-k", "gathered_q_dcp_extend",
     ],
     "[DCP] GQA: replicated Q with the All-to-All (--dcp-replicate-q-proj)": [
-        # (the exchange named: without it replicated Q is the GQA mode's resolution, later in the series)
-        "test/test_dcp_gqa.py", "-k", "q_partition or rq-a2a or rq-triton",  # full tier: dcp2-rq-triton (~3 min)
+        # (its servers, dcp2-rq-a2a / -triton, run at the Llama opt-in: no model serves the mode before)
+        "test/test_dcp_gqa.py", "-k", "q_partition",
     ],
     "[DCP] A speculative draft keeps K/tp KV heads: it does not join the DCP group": [
         "test/test_dcp_gqa.py", "-k", "draft_kv_heads_match_the_pool and not replicated-draft",  # (that one: the Helix draft patch's)
@@ -516,8 +518,9 @@ PREFIX_TESTS = {
         "test/test_helix_attention.py", "-k", "prefill_and_decode or store_owns or list_kernel or decode_capture",
     ],
     "[DCP] Llama, Mistral: opt in to DCP's GQA mode": [
-        "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "(supported_architectures and (llama or mistral)) or dcp_spelling_refusals or interleave",
+        # (+ full tier: upstream's spelling, --dcp-replicate-q-proj with the exchange named, served)
+        "test/test_helix_args.py", "test/test_dcp_gqa.py", "-k",
+        "(supported_architectures and (llama or mistral)) or dcp_spelling_refusals or interleave or rq-a2a or rq-triton",
     ],
     "[DCP] Qwen2: opt in to DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "supported_architectures and qwen2",

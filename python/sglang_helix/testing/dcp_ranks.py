@@ -171,7 +171,7 @@ def pool_rows(shape: Shape) -> int:
 
 
 class Ranks:
-    """The KVP ranks of one DCP group (module docstring)."""
+    """The KVP ranks of one DCP group (module docstring); ``shape.kvp == 1``: one rank, no DCP."""
 
     def __init__(
         self,
@@ -200,12 +200,12 @@ class Ranks:
                 tp_rank=r,
                 dcp_size=shape.kvp,
                 dcp_rank=r,
-                dcp_enabled=True,
+                dcp_enabled=shape.kvp > 1,
                 dcp_interleave_size=shape.chunk,
                 dcp_group=self.exchange.group(r),
                 dcp_comm_backend="a2a" if replicated_q else "ag_rs",
                 dcp_replicate_q_proj=replicated_q,
-                dcp_gqa_mode=replicated_q,
+                dcp_gqa_mode=replicated_q and shape.kvp > 1,
             )
             for r in range(shape.kvp)
         ]
