@@ -208,9 +208,10 @@ def test_prefix_tests_name_real_patches():
 
 # The default run checks that every prefix applies, imports and gates the flag (~2 min on 2 cores:
 # two probes at a time, each forked from a process that imported torch & co. once; ~6 min before);
-# with each patch's own tests at its prefix (PREFIX_TESTS) it takes ~10-16 min, so that runs in the
-# full tier (HELIX_TEST_FULL=1) and with `python -m sglang_helix.series prefixes`. Those tests all
-# run on the whole series in the default run.
+# with each patch's own tests at its prefix (PREFIX_TESTS) it takes ~17 min, ~26 min with their full
+# items (servers at prefixes 15, 17 and 27), so that runs in the full tier (HELIX_TEST_FULL=1) and
+# with `python -m sglang_helix.series prefixes`. Their default items all run on the whole series in
+# the default run.
 @pytest.mark.parametrize("run_tests", [False, pytest.param(True, marks=FULL)], ids=["imports", "with-tests"])
 def test_every_prefix(tmp_path, run_tests):
     """``series prefixes``: each prefix applies with git am, imports, runs its patch's tests, and
