@@ -36,6 +36,21 @@ Full tier (``HELIX_TEST_FULL=1``): fp8_e5m2 at K < N; K = N (``--tp 4 --helix-kv
 ``4``, fp8_e4m3 and fp8_e5m2); interpreted Triton (K < N, fp8_e4m3); the bf16 pool's capacity
 measured by its own server; FP8 weights with an FP8 KV cache; SmolLM2's passkeys; a PD decode
 server in the mode taking a plain prefill server's FP8 pages.
+
+Interpreted Triton with an FP8 pool is compared otherwise. Upstream's Triton kernels cast q to the
+pool's FP8 type (the decode, and the extend's pass over a cached prefix) and the softmax weights too,
+relative to the running maximum of the blocks read so far (``p.to(v.dtype)`` in
+``decode_attention.py`` and ``extend_attention.py``). So their answer depends on how the sequence
+is split (a radix hit's prefix and extend, the KV splits, the mode's shards) on FP8's scale, and each
+step's difference feeds the next. Measured 2026-12-06 on the K < N case: plain TP's own radix hit
+moves its prefill step by 0.80 nats; the mode's first decode parts from plain TP's by 0.026, and
+with the decode's weights kept in float32 (a local edit of the kernel, not kept) the mode's whole
+first answer met the float32 bound. That case keeps the probe (every prompt split alike) and the
+repeated prompt's prefill step (every token in hand, nothing cast) at the float32 bound, and the
+first decode (every rank's FP8 shard read) within twice what Triton's casts move plain TP from
+torch_native over the same pool at that step (0.19 measured); the radix hit's answers are the
+torch_native cases' to compare, and ``test_helix_attention``'s Triton e4m3/e5m2 cases hold the
+kernels to float64 within FP8's bound.
 """
 
 from __future__ import annotations
@@ -152,6 +167,13 @@ def assert_served_and_released(run, what, tp):
     assert not kv_checks.ranks_disagree(run.log), f"{what}: {kv_checks.ranks_disagree(run.log)[:5]}"
 
 
+def step_distance(a, b, i) -> float:
+    """|top-2 logprob difference| of two greedy answers at step ``i`` (NaN once they have parted)."""
+    if a.tokens[:i] != b.tokens[:i]:
+        return float("nan")
+    return round(max(abs(p - q) for p, q in zip(a.top2[i], b.top2[i])), 6)
+
+
 def max_logprob_diff(ref, got) -> float:
     pairs = zip([*ref.completions, ref.chat], [*got.completions, got.chat])
     return max(abs(a - b) for r, g in pairs for a, b in zip(r.logprobs, g.logprobs))
@@ -198,8 +220,21 @@ def test_fp8_kv_cache_under_helix_serves_plain_tps_tokens(model_dir, server_log_
     page = 64 * kvp
     print(f"{what}: radix cache hit {cached} of {len(RADIX_PROMPT)} prompt tokens (plain TP {ref_cached})")
     assert cached_first == 0 and cached == len(RADIX_PROMPT) // page * page, (cached_first, cached)
-    for name, r, g in (("first", ref_first, first), ("from the radix cache", ref_first, again), ("plain TP's hit", ref_first, ref_again)):
-        assert_same_generation(r, g, LOGPROB_ATOL, f"{what}: the repeated prompt, {name}")
+    comparisons = (("first", ref_first, first), ("from the radix cache", ref_first, again), ("plain TP's hit", ref_first, ref_again))
+    if backend != "triton":
+        for name, r, g in comparisons:
+            assert_same_generation(r, g, LOGPROB_ATOL, f"{what}: the repeated prompt, {name}")
+    else:
+        # Triton's kernels round q and the softmax weights to FP8 as the sequence is split (the
+        # module docstring): the prefill step at the float32 bound, the first decode within twice
+        # what that rounding moves plain TP from torch_native over the same FP8 pool
+        exact = kv_server(path, ["--tp", str(tp), *kv], server_log_dir, fp8_kv_workload, "torch_native")
+        exact_first = exact.result["radix"][0][0]
+        steps = [[step_distance(r, g, i) for i in range(4)] for r, g in ((ref_first, exact_first), *((r, g) for _, r, g in comparisons))]
+        print(f"{what}: |top-2 logprob difference| at steps 0-3: plain TP vs torch_native {steps[0]}; "
+              + "; ".join(f"{name} {d}" for (name, _, _), d in zip(comparisons, steps[1:])))  # fmt: skip
+        assert first.tokens[0] == ref_first.tokens[0] and steps[1][0] <= LOGPROB_ATOL, (first.tokens, ref_first.tokens, steps[1])
+        assert steps[1][1] <= 2 * steps[0][1] + LOGPROB_ATOL, f"{what}: the first decode parts by {steps[1][1]:.4f} > 2 x {steps[0][1]:.4f}"
     # capacity, as the servers report it
     rows_tp, tokens_tp = pool_rows(ref, "plain TP")
     rows_helix, tokens_helix = pool_rows(got, "Helix")
