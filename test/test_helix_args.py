@@ -445,8 +445,8 @@ def test_unsupported_combination(model, case):
     ],
 )
 def test_final_values_are_checked(model, field, value, message):
-    """A handler after the first Helix run that picks another backend or page size is caught
-    by the second run, over the final values."""
+    """A handler after the mode's resolution that picks another backend or page size is caught
+    by ``finalize_dcp_gqa_mode``, over the final values."""
     from sglang.srt.arg_groups import resolution_hooks
     from sglang.srt.arg_groups.overrides import declare_resolution
 
@@ -462,6 +462,37 @@ def test_final_values_are_checked(model, field, value, message):
         resolution_hooks._HOOKS[name].remove(late_change)
         if not resolution_hooks._HOOKS[name]:
             del resolution_hooks._HOOKS[name]
+
+
+@pytest.mark.parametrize("extra", [[], ["--chunked-prefill-size", "100"]], ids=["defaults", "chunk"])
+def test_each_check_runs_once(model, monkeypatch, extra):
+    """The mode's checks run once per launch (``resolve_dcp_gqa_mode``: the flags, the features, the
+    linear-attention cache; ``finalize_dcp_gqa_mode``: the final backend and page); its resolution
+    step after the CUDA graph step checks nothing, and resolving twice declares nothing new."""
+    from sglang.srt.arg_groups import helix_hook
+
+    calls = []
+    for name in ("check_unsupported_flags", "_check_features", "_check_attention_backends",
+                 "_check_kv_page", "_check_linear_attention_cache"):  # fmt: skip
+        def counted(cfg, *rest, _name=name, _check=getattr(helix_hook, name)):
+            calls.append(_name)
+            return _check(cfg, *rest)
+
+        monkeypatch.setattr(helix_hook, name, counted)
+    on = resolve(model(), ["--tp", "4", "--helix-kvp-size", "2", "--attention-backend", "triton", *extra])
+    assert sorted(calls) == sorted(["check_unsupported_flags", "_check_features", "_check_attention_backends",
+                                    "_check_kv_page", "_check_linear_attention_cache"]), calls  # fmt: skip
+    declared = [fields for src, fields in on._resolved_overrides if src == HOOK_SOURCE]
+    calls.clear()
+    helix_hook.handle_helix_parallelism(on)  # the resolution again over the final values
+    assert calls == [] and [f for src, f in on._resolved_overrides if src == HOOK_SOURCE] == declared
+    assert view(on).chunked_prefill_size % 128 == 0  # whole pages of 64 x 2, the default chunk too
+
+
+def test_a_device_the_mode_does_not_run_on_is_refused(model):
+    assert helix_error(model(), ["--tp", "4", "--helix-kvp-size", "2", "--device", "xpu"]) == (
+        "--helix-kvp-size 2 runs on --device cuda or cpu, not xpu. Use --helix-kvp-size 1."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -894,10 +925,8 @@ def test_kvp1_resolves_like_upstream(model, monkeypatch, helix_args):
     helix = resolve(model(), args + helix_args)
     assert [src for src, _ in helix._resolved_overrides if src == HOOK_SOURCE] == []
 
-    def handle_helix_parallelism(server_args):  # the pipeline without the Helix step
-        pass
-
-    monkeypatch.setattr(helix_hook, "handle_helix_parallelism", handle_helix_parallelism)
+    for step in ("resolve_dcp_gqa_mode", "handle_helix_parallelism", "finalize_dcp_gqa_mode"):
+        monkeypatch.setattr(helix_hook, step, lambda server_args: None)  # the pipeline without them
     upstream = resolve(model(), args)
 
     def strip(d):
@@ -1012,17 +1041,17 @@ def test_gpu_page_must_be_a_power_of_two(chunk, kvp, ok):
     allocates in torch (the table above serves pages of 192 there)."""
     from types import SimpleNamespace
 
-    from sglang.srt.arg_groups.helix_hook import _resolve_kv_page
+    from sglang.srt.arg_groups.helix_hook import _check_kv_page
     from sglang.srt.arg_groups.resolution_hooks import ServerArgsError
 
     cfg = SimpleNamespace(device="cuda", dcp_interleave_size=chunk, dcp_size=kvp, tp_size=kvp * 2, page_size=chunk,
                           max_total_tokens=None, chunked_prefill_size=None, _raw_input={"helix_kvp_size": kvp})  # fmt: skip
-    _resolve_kv_page(None, SimpleNamespace(**{**vars(cfg), "device": "cpu"}))  # never on CPU
+    _check_kv_page(SimpleNamespace(**{**vars(cfg), "device": "cpu"}))  # never on CPU
     if ok:
-        _resolve_kv_page(None, cfg)
+        _check_kv_page(cfg)
         return
     with pytest.raises(ServerArgsError) as info:
-        _resolve_kv_page(None, cfg)
+        _check_kv_page(cfg)
     msg = str(info.value)
     assert msg.startswith(f"--helix-kvp-chunk-size {chunk} x --helix-kvp-size {kvp} = {chunk * kvp}: on --device cuda")
     assert ("power-of-two --helix-kvp-size" in msg) == (kvp == 3), msg

@@ -2,10 +2,12 @@
 """DCP's GQA mode, Helix parallelism (arXiv 2507.07120): ``--dcp-size K --dcp-replicate-q-proj``
 on a model that is not MLA, the a2a exchange (fi_a2a where named), ``--dcp-interleave-size C``.
 
-``resolve_dcp_gqa_mode`` (before DCP's step) names the exchange and checks the grid;
-``handle_helix_parallelism`` (after the CUDA graph step, again at the end) refuses what the mode
-does not run with and resolves the attention backend, prefill CUDA graphs (off) and the KV page
-(``page_size`` C: DCP allocates pages of C x K, one interleave run per rank). The model, the
+Each check runs once. ``resolve_dcp_gqa_mode`` (before DCP's step) checks the grid, the device,
+the features the mode does not run with and the linear-attention cache, and names the exchange and
+the KV page (``page_size`` C: DCP allocates pages of C x K, one interleave run per rank).
+``handle_helix_parallelism`` (after the CUDA graph step) only resolves: the attention backend,
+prefill CUDA graphs off, the prefill chunk in whole pages. ``finalize_dcp_gqa_mode`` (at the end)
+checks the final attention backend and page and resolves the chunk again. The model, the
 speculation and PD are checked in upstream's steps for them (attention_hook, speculative_hook,
 pd_disaggregation_hook). Messages name the mode as launched (``parallel_hook.dcp_gqa_spelling``)."""
 
@@ -27,6 +29,7 @@ from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_pha
 logger = logging.getLogger(__name__)
 HOOK = "handle_helix_parallelism"  # the source of the mode's declarations
 
+DEVICES = ("cuda", "cpu")
 BACKENDS = ("triton", "torch_native")
 # KV cache dtypes with per-layer scales
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
@@ -107,17 +110,29 @@ def resolve_dcp_gqa_mode(server_args: Any) -> None:
         declare_resolution(server_args, HOOK, dcp_comm_backend="a2a")
     msg = f"Helix parallelism: {mode} on a GQA model, --dcp-interleave-size {i}, TPA = --tp {n} / {k} = {n // k}."
     logger.info(msg)
-    check_unsupported_flags(cfg)  # before DCP's own step refuses some with a traceback
+    # Checked here, once: before DCP's own step refuses some with a traceback, and before
+    # upstream's mamba step asserts on the linear-attention cache.
+    if cfg.device not in DEVICES:
+        fail(cfg, f"{mode} runs on --device {join(DEVICES)}, not {cfg.device}")
+    check_unsupported_flags(cfg)
+    _check_features(cfg)
     _resolve_kv_page(server_args, cfg)
+    _check_linear_attention_cache(cfg)
 
 
-def handle_helix_parallelism(server_args: Any) -> None:  # idempotent
+def handle_helix_parallelism(server_args: Any) -> None:
+    """After the CUDA graph step, before memory sizing and the platform defaults: the attention
+    backend where none is given, prefill CUDA graphs off, the page and the chunk in whole pages
+    (resolution only: idempotent)."""
     cfg = resolving_view(server_args)
     if not dcp_gqa_mode(cfg):
         return  # off: nothing is declared, resolution is upstream's
-    check_unsupported_flags(cfg)
-    _check_features(cfg)
-    _resolve_attention_backend(server_args, cfg)
+    if cfg.attention_backend is None:  # a split flag's, else the platform's
+        split = cfg.prefill_attention_backend or cfg.decode_attention_backend
+        backend = split or ("torch_native" if cfg.device == "cpu" else "triton")
+        msg = f"Helix parallelism: attention backend not specified; using {backend}."
+        logger.info(msg)
+        declare_resolution(server_args, HOOK, attention_backend=backend)
     graphs = cfg.cuda_graph_config
     if graphs is not None and graphs.prefill.backend != Backend.DISABLED:
         why = "the extend lists are sized on the host"
@@ -126,7 +141,18 @@ def handle_helix_parallelism(server_args: Any) -> None:  # idempotent
         off = with_phase(graphs, Phase.PREFILL, backend=Backend.DISABLED)
         declare_resolution(server_args, HOOK, cuda_graph_config=off)
     _resolve_kv_page(server_args, cfg)
-    _check_linear_attention_cache(cfg)
+
+
+def finalize_dcp_gqa_mode(server_args: Any) -> None:
+    """At the end, over the final values (a later step may pick another backend or page size,
+    or default the prefill chunk): the backend and the page checked, once; the chunk in whole
+    pages."""
+    cfg = resolving_view(server_args)
+    if not dcp_gqa_mode(cfg):
+        return
+    _check_attention_backends(cfg)
+    _check_kv_page(cfg)
+    _resolve_kv_page(server_args, cfg)
 
 
 def hybrid(cfg: Any) -> bool:
@@ -146,9 +172,8 @@ def helix_architectures(drafts: bool = False) -> list:
     return sorted(a for a, cls in models if any(vars(cls).get(k) for k in keys))
 
 
-def _resolve_attention_backend(server_args: Any, cfg: Any) -> None:
-    """One backend for both phases (not a HybridAttnBackend); unset: a split flag's,
-    else the platform's."""
+def _check_attention_backends(cfg: Any) -> None:
+    """One backend of the mode's for both phases (not a HybridAttnBackend)."""
     fields = tuple(f"{phase}attention_backend" for phase in ("", "prefill_", "decode_"))
     main, prefill, decode = values = [getattr(cfg, f) for f in fields]
     for field, backend in zip(fields, values):
@@ -159,48 +184,47 @@ def _resolve_attention_backend(server_args: Any, cfg: Any) -> None:
         given = [f"{flag(f)} {v}" for f, v in zip(fields, values) if v][-2:]
         split = "different prefill and decode attention backends"
         unsupported(cfg, split, given, "Pass one --attention-backend")
-    if main is None:
-        platform = "torch_native" if cfg.device == "cpu" else "triton"
-        backend = prefill or decode or platform
-        msg = f"Helix parallelism: attention backend not specified; using {backend}."
-        logger.info(msg)
-        declare_resolution(server_args, HOOK, attention_backend=backend)
 
 
-def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
-    """--page-size the interleave (DCP's pages hold one run per rank); --max-total-tokens at
-    least one page; --chunked-prefill-size whole pages, at least one."""
-    (mode, size, chunk_flag, _), kvp = spelling(cfg), cfg.dcp_size
+def kv_page(cfg: Any) -> tuple:
+    """(C, the KV page C x K, its words)."""
+    (_, size, chunk_flag, _), kvp = spelling(cfg), cfg.dcp_size
     chunk = cfg.dcp_interleave_size
-    page, typed = kvp * chunk, raw(cfg, "page_size")
-    pages = f"{chunk_flag} {chunk} x {size} {kvp} = {page}"
-    if cfg.page_size not in (None, 1, chunk) or typed not in (None, 1, chunk):
-        problem = f"{mode} allocates KV in pages of one {chunk_flag} ({chunk}) per rank, but --page-size is {cfg.page_size}"
-        fail(cfg, problem, f"Pass --page-size 1 (or {chunk})")
+    return chunk, chunk * kvp, f"{chunk_flag} {chunk} x {size} {kvp} = {chunk * kvp}"
+
+
+def _check_kv_page(cfg: Any) -> None:
+    """--page-size the interleave (DCP's pages hold one run per rank), a power of two on a GPU;
+    --max-total-tokens at least one page."""
+    (mode, size, chunk_flag, _), kvp = spelling(cfg), cfg.dcp_size
+    chunk, page, pages = kv_page(cfg)
+    for value in (raw(cfg, "page_size"), cfg.page_size):  # as given, as resolved by now
+        if value not in (None, 1, chunk):
+            problem = f"{mode} allocates KV in pages of one {chunk_flag} ({chunk}) per rank, but --page-size is {value}"
+            fail(cfg, problem, f"Pass --page-size 1 (or {chunk})")
     if cfg.device != "cpu" and page & (page - 1):  # the allocator's tl.arange(0, page)
         why = "the Helix KV page must be a power of two (the paged allocator's Triton kernels)"
         fix = f"Use a power-of-two {size if kvp & (kvp - 1) else chunk_flag}"
         fail(cfg, f"{pages}: on --device {cfg.device} {why}", fix)
+    if 0 < (cfg.max_total_tokens or 0) < page:
+        problem = f"--max-total-tokens {cfg.max_total_tokens} is less than one Helix KV page ({pages} tokens), in which each rank's KV rows are allocated"
+        fix = f"Pass --max-total-tokens {page} or more, or a smaller {chunk_flag}"
+        fail(cfg, problem, fix)
+
+
+def _resolve_kv_page(server_args: Any, cfg: Any) -> None:
+    """--page-size the interleave; --chunked-prefill-size whole pages, at least one."""
+    chunk, page, pages = kv_page(cfg)
     if cfg.page_size != chunk:
         msg = f"Helix parallelism: --page-size {chunk}; KV ids are allocated in pages of {pages} tokens (one interleave run per KVP rank)."
         logger.info(msg)
         declare_resolution(server_args, HOOK, page_size=chunk)
-    what = f"Helix KV page ({pages} tokens)"
-    if 0 < (cfg.max_total_tokens or 0) < page:
-        problem = f"--max-total-tokens {cfg.max_total_tokens} is less than one {what}, in which each rank's KV rows are allocated"
-        fix = f"Pass --max-total-tokens {page} or more, or a smaller {chunk_flag}"
-        fail(cfg, problem, fix)
     if (old := cfg.chunked_prefill_size or 0) > 0 and old % page:
-        new, why = (
-            max(page, old // page * page),
-            "a prefill chunk must hold at least one page",
-        )
-        why = (
-            "the scheduler cuts prefill chunks at page boundaries"
-            if old >= page
-            else why
-        )
-        msg = f"Helix parallelism: --chunked-prefill-size {old} -> {new}, a multiple of the {what}: {why}."
+        new = max(page, old // page * page)
+        why = "a prefill chunk must hold at least one page"
+        if old > page:
+            why = "the scheduler cuts prefill chunks at page boundaries"
+        msg = f"Helix parallelism: --chunked-prefill-size {old} -> {new}, a multiple of the Helix KV page ({pages} tokens): {why}."
         logger.info(msg)
         declare_resolution(server_args, HOOK, chunked_prefill_size=new)
 
@@ -219,22 +243,11 @@ def _check_linear_attention_cache(cfg: Any) -> None:
         strategy.startswith("extra_buffer") and platform_has_extra_buffer()
     ):
         return
-    (mode, size, chunk_flag, _), (kvp, chunk) = spelling(cfg), (
-        cfg.dcp_size,
-        cfg.dcp_interleave_size,
-    )
-    why = (
-        f"--device {cfg.device}"
-        if given == "auto"
-        else f"--mamba-radix-cache-strategy {given}"
-    )
-    pages = f"{chunk_flag} {chunk} x {size} {kvp} = {chunk * kvp} tokens"
-    problem = f"{mode} keeps KV in pages of {pages}, but the radix cache of {cfg.model_path}'s linear-attention states takes pages of more than one token only with its extra buffer, not on {why}"
-    fail(
-        cfg,
-        problem,
-        "Pass --disable-radix-cache (on a GPU: --mamba-radix-cache-strategy extra_buffer)",
-    )
+    why = f"--mamba-radix-cache-strategy {given}"
+    why = f"--device {cfg.device}" if given == "auto" else why
+    problem = f"{spelling(cfg)[0]} keeps KV in pages of {kv_page(cfg)[2]} tokens, but the radix cache of {cfg.model_path}'s linear-attention states takes pages of more than one token only with its extra buffer, not on {why}"
+    fix = "Pass --disable-radix-cache (on a GPU: --mamba-radix-cache-strategy extra_buffer)"
+    fail(cfg, problem, fix)
 
 
 def check_unsupported_flags(cfg: Any, features: dict = UNSUPPORTED) -> None:
