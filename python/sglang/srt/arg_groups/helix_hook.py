@@ -6,8 +6,8 @@ Each check runs once. ``resolve_dcp_gqa_mode`` (before DCP's step) checks the gr
 the features the mode does not run with and the linear-attention cache, and names the exchange and
 the KV page (``page_size`` C: DCP allocates pages of C x K, one interleave run per rank).
 ``handle_helix_parallelism`` (after the CUDA graph step) only resolves: the attention backend,
-prefill CUDA graphs off, the prefill chunk in whole pages. ``finalize_dcp_gqa_mode`` (at the end)
-checks the final attention backend and page and resolves the chunk again. The model, the
+prefill CUDA graphs off. ``finalize_dcp_gqa_mode`` (at the end) checks the final attention backend
+and page and puts the final prefill chunk (the platform's default too) in whole pages. The model, the
 speculation and PD are checked in upstream's steps for them (attention_hook, speculative_hook,
 pd_disaggregation_hook). Messages name the mode as launched (``parallel_hook.dcp_gqa_spelling``)."""
 
@@ -122,8 +122,8 @@ def resolve_dcp_gqa_mode(server_args: Any) -> None:
 
 def handle_helix_parallelism(server_args: Any) -> None:
     """After the CUDA graph step, before memory sizing and the platform defaults: the attention
-    backend where none is given, prefill CUDA graphs off, the page and the chunk in whole pages
-    (resolution only: idempotent)."""
+    backend where none is given, prefill CUDA graphs off (resolution only, idempotent).
+    """
     cfg = resolving_view(server_args)
     if not dcp_gqa_mode(cfg):
         return  # off: nothing is declared, resolution is upstream's
@@ -140,7 +140,6 @@ def handle_helix_parallelism(server_args: Any) -> None:
         logger.warning(msg)
         off = with_phase(graphs, Phase.PREFILL, backend=Backend.DISABLED)
         declare_resolution(server_args, HOOK, cuda_graph_config=off)
-    _resolve_kv_page(server_args, cfg)
 
 
 def finalize_dcp_gqa_mode(server_args: Any) -> None:
