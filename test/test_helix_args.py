@@ -1366,8 +1366,28 @@ def test_qwen3_5_block_fp8_is_served_where_shards_are_whole_blocks(qwen3_5, tmp_
         moe, ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache"]
     ) == (
         f"--helix-kvp-size 2: --model-path {moe} is fp8-quantized in 128-row blocks, but at TPA = --tp 4 / "
-        "--helix-kvp-size 2 = 2 a qkv_proj shard has 64 or 128 rows per head group (not whole blocks). "
+        "--helix-kvp-size 2 = 2 a qkv_proj shard has 64 or 512 rows per head group (not whole blocks). "
         "Use --helix-kvp-size 4, or use --helix-kvp-size 1."
+    )
+
+
+@pytest.mark.parametrize("attention_mode", ["noncausal_full_attention", "causal"])
+def test_qwen3_5_decision_checkpoint_noncausal_is_refused_in_one_line(tmp_path, attention_mode):
+    """A Qwen3.5 "decision" checkpoint whose full-attention layers read the whole prompt
+    (``decision_config.json`` ``attention_mode noncausal_full_attention``) is refused at launch in one
+    line (0.5.23's torch_native DCP raised at the first forward, Triton's would attend causally);
+    a causal decision checkpoint resolves into the mode."""
+    from sglang_helix.testing.qwen3_5_models import write_qwen3_5_decision_config
+
+    path = write_qwen3_5_decision_config(str(tmp_path), attention_mode)
+    args = ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache"]
+    if attention_mode == "causal":
+        assert gqa_mode(view(resolve(path, args)))
+        return
+    assert helix_error(path, args) == (
+        f"--helix-kvp-size 2 runs causal decoder attention, but --model-path {path} reads the whole "
+        "prompt in its full-attention layers (decision_config.json attention_mode "
+        "noncausal_full_attention). Use --helix-kvp-size 1."
     )
 
 

@@ -9,8 +9,9 @@ transformers' own forward there); each layout here serves the same workload (one
 give plain TP's greedy tokens within its decisive prefix and every prompt and output logprob within
 the same float32 bound (``ATOL + RTOL * |lp|``).
 
-Layouts (default tier): ``--helix-kvp-size 2`` (TPA 2: each rank of a pair projects 2 query heads
-and their gates, attends over its half of the sequence and keeps 1 head after the All-to-All) and
+Layouts (default tier): ``--helix-kvp-size 2`` (TPA 2: each rank of a pair projects 8 of the 16
+query heads and their gates, attends over its half of the sequence and keeps 4 heads after the
+All-to-All) and
 DCP's spelling at KVP 4 (``--dcp-size 4 --dcp-replicate-q-proj``, TPA 1) on the dense model, with
 ``--chunked-prefill-size 96`` as its baseline (resolved to the mode's page multiple: the 150-token
 prompt is served in two chunks, the second reading the sharded KV and the linear-attention states

@@ -18,7 +18,9 @@ and ``transformers.AutoModelForCausalLM.from_pretrained(path)`` both load, offli
 Scaling as in ``tiny_models``: lm_head rows make greedy choices decisive, q/k are sharpened. The
 GDN decays are kept long (``exp(g)`` mostly 0.5-0.99 per token) so the recurrent state carries
 across chunks of 64 and from prefill into decode: a state lost between the two visibly moves the
-logprobs. Head counts fit ``--tp 4``: 4 query heads and 2 KV heads (replicated past 2 ranks), GDN
+logprobs. Head counts fit ``--tp 4``: 16 query heads and 2 KV heads (replicated past 2 ranks), so
+every rank holds 4 query heads after DCP's All-to-All at any KVP (a gate slice off by its ``Q/N``
+factor or taken from another rank's rows moves the logprobs; with one head a rank it could not), GDN
 key/value heads 4/8 (a power-of-two group, SGLang's fused CPU split), GDN head dims 64 (the real
 CPU chunk kernel supports 64 and 128).
 """
@@ -47,7 +49,7 @@ class Qwen35Spec:
     arch: str = "qwen3_5"  # a key of ARCHS
     num_layers: int = 8  # layer i is full attention when (i + 1) % 4 == 0
     hidden_size: int = 128
-    num_heads: int = 4
+    num_heads: int = 16
     num_kv_heads: int = 2
     head_dim: int = 256
     linear_num_key_heads: int = 4
@@ -294,3 +296,23 @@ def write_qwen3_5_vl_model(path: str, spec: Qwen35Spec = DENSE) -> str:
     with open(stamp, "w") as f:
         json.dump(want, f)
     return path
+
+
+def write_qwen3_5_decision_config(path: str, attention_mode: str) -> str:
+    """A Qwen3.5 "decision" checkpoint's configuration: the multimodal checkpoint's ``config.json``
+    as a bare backbone (``Qwen3_5Model``, no LM head) beside the ``decision_config.json`` that 0.5.23
+    serves it by (``model_config.load_decision_config``: its readout in the LM head rows of its
+    codes). ``attention_mode`` ``noncausal_full_attention``: the full-attention layers read the
+    whole prompt (``is_causal`` False). The configuration only, for argument resolution."""
+    src = write_qwen3_5_vl_model(os.path.join(path, "vl"))
+    out = os.path.join(path, attention_mode)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["Qwen3_5Model"]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    decision = dict(format_version=1, attention_mode=attention_mode, pooling="last", token_ids=[3, 4])
+    with open(os.path.join(out, "decision_config.json"), "w") as f:
+        json.dump(decision, f)
+    return out
