@@ -1,5 +1,8 @@
 """Qwen3.5's CPU paths on a CPU without AMX (patch ``[CPU] Qwen3.5 without AMX``), at the unit level.
 
+Also the commit after a speculative verify on the CPU engine (patch ``[CPU] Hybrid models: a
+verify's accepted linear-attention states are committed in torch``), against a loop written here.
+
 The Gated DeltaNet layers' gated RMSNorm (``fla/layernorm_gated.RMSNorm``, ``norm(x) * silu(z)``
 per head row) runs its torch reference where neither sgl-kernel's AMX op nor a Triton device
 exists; before the patch it asked CUDA for an SM count. Checked against float64 math written here.
@@ -78,3 +81,47 @@ def test_default_flags_resolve_the_radix_cache_without_an_extra_buffer(tmp_path)
         cfg.mamba_radix_cache_strategy == "no_buffer" and cfg.disable_overlap_schedule
     )
     assert not cfg.disable_radix_cache
+
+
+@pytest.mark.parametrize("src_rows", [False, True], ids=["batch-rows", "stable-rows"])
+def test_a_verify_commits_the_accepted_states_on_the_cpu(src_rows):
+    """``scatter_mamba_states_after_mtp_verify`` on CPU tensors (0.5.23 raised "only supports
+    CUDA/XPU tensors"): for each state (SSM, every conv type; a bfloat16 conv pool, which CUDA
+    sends through its multi-type kernel) the accepted step's state of request i lands in its slot,
+    and then the track step's in its track slot; a request without a valid step or slot (-1) is
+    skipped and every other slot keeps its bytes. Against a loop over the requests."""
+    import torch
+    from types import SimpleNamespace
+
+    from sglang.kernels.ops.mamba.mamba_state_scatter_triton import (
+        scatter_mamba_states_after_mtp_verify,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    L, slots, rows, steps = 3, 8, 6, 4
+    temporal = torch.randn(L, slots, 2, 3, 5, generator=g)
+    caches = SimpleNamespace(
+        temporal=temporal,
+        intermediate_ssm=torch.randn(L, rows, steps, 2, 3, 5, generator=g),
+        conv=[torch.randn(L, slots, 6, 3, generator=g).bfloat16(), torch.randn(L, slots, 4, 3, generator=g)],
+        intermediate_conv_window=[
+            torch.randn(L, rows, steps, 6, 3, generator=g).bfloat16(),
+            torch.randn(L, rows, steps, 4, 3, generator=g),
+        ],
+    )  # fmt: skip
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    dst, accepted = i32([3, 0, -1, 6, 5]), i32([2, -1, 1, 0, 3])
+    track, track_steps = i32([7, -1, 2, 1, -1]), i32([1, -1, 0, 2, -1])
+    src = i32([5, 4, 3, 2, 1]) if src_rows else None
+    pairs = [(caches.temporal, caches.intermediate_ssm), *zip(caches.conv, caches.intermediate_conv_window)]
+    want = [d.clone() for d, _ in pairs]
+    for (d, s), w in zip(pairs, want):
+        for idx, st in ((dst, accepted), (track, track_steps)):
+            for i in range(len(idx)):
+                r = i if src is None else int(src[i])
+                if 0 <= st[i] < steps and 0 <= idx[i] < slots and r < rows:
+                    w[:, idx[i]] = s[:, r, st[i]]
+    scatter_mamba_states_after_mtp_verify(caches, dst, accepted, track, track_steps, src_indices_raw=src)
+    for (d, _), w in zip(pairs, want):
+        assert torch.equal(d, w)
+    assert caches.temporal is temporal

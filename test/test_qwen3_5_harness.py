@@ -84,7 +84,8 @@ def _post(base_url: str, payload: dict) -> list:
         return json.loads(r.read())
 
 
-def _round(base_url: str) -> list[dict]:
+def _round(base_url: str, meta_keys: tuple = ()) -> list[dict]:
+    """One batched request over ``prompts()``; ``meta_keys``: meta_info fields kept as ``meta``."""
     payload = {
         "input_ids": prompts(),
         "sampling_params": {
@@ -110,11 +111,13 @@ def _round(base_url: str) -> list[dict]:
                 "cached": meta.get("cached_tokens", 0),
             }
         )
+        if meta_keys:
+            out[-1]["meta"] = {k: meta.get(k) for k in meta_keys}
     return out
 
 
-def workload(base_url: str) -> dict:
-    return {"first": _round(base_url), "again": _round(base_url)}
+def workload(base_url: str, meta_keys: tuple = ()) -> dict:
+    return {"first": _round(base_url, meta_keys), "again": _round(base_url, meta_keys)}
 
 
 _RESULTS: dict = {}

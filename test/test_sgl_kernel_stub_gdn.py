@@ -546,3 +546,221 @@ def test_prefill_then_decode_steps_equal_one_prefill():
         )
         _close(o_t[0, 0], o_all[0, t], what=f"decode step {t}")
     _close(pool[1], whole[1], what="final state")
+
+
+# -- the target verify (speculation on a hybrid model; qwen3_5_cpu_ops.VERIFY_ARGS) ----------------
+# A request's drafts as EAGLE's tree lists hold them: token 0 is the root (the last verified token);
+# retrieve_next_token[t] is t's first child, retrieve_next_sibling[t] the next child of t's parent.
+TREES = {
+    "chain": [[0, 0, 1, 2], [0, 0, 1, 2], [0, 0, 1, 2]],
+    # topk 2 shapes: a root with two children, one of them with a child; two chains from the root;
+    # a path of three under the root's second child.
+    "tree": [[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 0, 2]],
+}
+
+
+def _tree_lists(parents):
+    n = len(parents)
+    nxt, sib = [-1] * n, [-1] * n
+    for t in range(1, n):
+        siblings = [c for c in range(1, n) if parents[c] == parents[t]]
+        if siblings[0] == t:
+            nxt[parents[t]] = t
+        later = [c for c in siblings if c > t]
+        sib[t] = later[0] if later else -1
+    return nxt, sib
+
+
+def _path(parents, t):
+    """t and its ancestors up to the root, root first."""
+    out = [t]
+    while out[-1] != 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+def test_tree_lists_give_back_the_parents():
+    for trees in TREES.values():
+        for parents in trees:
+            nxt, sib = _tree_lists(parents)
+            assert qwen3_5_cpu_ops.tree_parents(nxt, sib, len(parents)) == parents
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_causal_conv1d_update_cpu_verify_keeps_each_drafts_window(shape):
+    """The verify's conv (``_causal_conv1d_update_kernel`` with ``SAVE_INTERMEDIATE``; on a tree
+    with its tree lists): each draft convolves its own path (chain: the drafts before it; tree:
+    its ancestors), past the root the state's newest inputs; the window after each draft lands at
+    ``intermediate_conv_window[intermediate_state_indices[b], t]``; a tree's parents are written
+    for the GDN op; the slot keeps the last ``width - 1`` drafts; the pad slot is left alone.
+    Against float64 sums along each path, and for the chain against the decode op run draft by
+    draft (whose state after draft t is the window t)."""
+    g = _gen(20)
+    dim, W, n = 32, 4, 4
+    trees = TREES[shape]
+    B = len(trees)
+    w, bias = torch.randn(dim, W, generator=g), torch.randn(dim, generator=g)
+    # the backend's mixed_qkv.view(batch, drafts, -1).transpose(1, 2): [B, dim, n], strided
+    x = torch.randn(B, n, dim, generator=g).transpose(1, 2)
+    pool = torch.randn(6, dim, W - 1, generator=g)
+    before = pool.clone()
+    slots = torch.tensor([4, -1, 1], dtype=I32)  # the second request is padding
+    rows = torch.tensor([2, 0, 1], dtype=I32)
+    windows = torch.full((4, n, dim, W - 1), 7.0)
+    lists = {}
+    if shape == "tree":
+        nxt, sib = zip(*(_tree_lists(p) for p in trees))
+        lists = dict(
+            retrieve_next_token=torch.tensor(nxt),
+            retrieve_next_sibling=torch.tensor(sib),
+            retrieve_parent_token=torch.full((B, n), -7, dtype=torch.long),
+        )
+    out = mamba.causal_conv1d_update_cpu(
+        x, pool, w, bias, "silu", slots,
+        intermediate_conv_window=windows, intermediate_state_indices=rows, **lists,
+    )  # fmt: skip
+    assert out.shape == x.shape
+    for b in range(B):
+        if slots[b] < 0:
+            assert (out[b] == 0).all() and (windows[rows[b]] == 7).all()
+            if lists:
+                assert (lists["retrieve_parent_token"][b] == -7).all()
+            continue
+        prev, xs = before[slots[b]].double(), x[b].double()
+        for t in range(n):
+            inputs = [xs[:, s] for s in _path(trees[b], t)]
+            full = torch.stack([prev[:, j] for j in range(W - 1)] + inputs, 1)[:, -W:]
+            want = F.silu((full * w.double()).sum(1) + bias.double())
+            _close(out[b, :, t], want, what=f"request {b} draft {t}")
+            assert torch.equal(windows[rows[b], t], full[:, 1:].float()), f"request {b} window {t}"
+        assert torch.equal(pool[slots[b]], torch.cat([before[slots[b]], x[b]], 1)[:, -(W - 1) :])
+        if lists:
+            assert lists["retrieve_parent_token"][b].tolist() == trees[b]
+    assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+    if shape == "chain":  # the decode op, draft by draft, from the same state
+        state = before.clone()
+        for t in range(n):
+            step = mamba.causal_conv1d_update_cpu(x[:, :, t], state, w, bias, "silu", slots)
+            assert torch.equal(step[[0, 2]], out[[0, 2], :, t])
+            assert torch.equal(state[4], windows[2, t]) and torch.equal(state[1], windows[1, t])
+
+
+# (a tree verify always runs with disable_state_update: gdn_triton.TritonGDNKernel.target_verify)
+@pytest.mark.parametrize(
+    "shape,update",
+    [("chain", False), ("tree", False), ("chain", True)],
+    ids=["chain-state-kept", "tree-state-kept", "chain-state-updated"],
+)
+def test_fused_sigmoid_gating_delta_rule_update_cpu_verify_caches_each_drafts_state(shape, update):
+    """The verify's GDN step (the Triton ``fused_sigmoid_gating_delta_rule_update`` with
+    ``intermediate_states_buffer``, ``disable_state_update``, ``retrieve_parent_token``): the
+    drafts of request i are ``cu_seqlens[i]:cu_seqlens[i + 1]``; each continues from its parent's
+    state (chain: the draft before it; the root from the pool's), and the state after each is
+    cached at ``intermediate_states_buffer[intermediate_state_indices[i], t]``; the pool is written
+    only without ``disable_state_update`` (then with the last draft's state, as a decode would).
+    Against the float64 delta rule along each path."""
+    n, H, Hv, D = 4, 2, 4, 32
+    trees = TREES[shape]
+    N = len(trees)
+    q, k, v, _, _ = _gdn_inputs(21, N * n)
+    A_log, a, b, dt_bias = _decode_gates(22, N * n, Hv)
+    pool = torch.randn(6, Hv, D, D, generator=_gen(23)) * 0.1
+    before = pool.clone()
+    slots = torch.tensor([5, -1, 2], dtype=I32)  # -1: starts from zeros, never written
+    rows = torch.tensor([1, 3, 0], dtype=I32)
+    buffer = torch.full((4, n, Hv, D, D), 7.0)
+    cu = torch.arange(0, N * n + 1, n, dtype=I32)
+    parents = torch.tensor(trees) if shape == "tree" else None
+    o = OPS.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, initial_state_source=pool,
+        initial_state_indices=slots, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+        softplus_beta=1.0, softplus_threshold=20.0, is_kda=False, disable_state_update=not update,
+        intermediate_states_buffer=buffer, intermediate_state_indices=rows, cache_steps=n,
+        retrieve_parent_token=parents,
+    )  # fmt: skip
+    assert o.shape == (N * n, 1, Hv, D) and o.dtype == q.dtype
+    gate = -A_log.double().exp() * F.softplus(a.double() + dt_bias.double())
+    beta = torch.sigmoid(b.double())
+    for i in range(N):
+        h0 = before[slots[i]] if slots[i] >= 0 else torch.zeros(Hv, D, D)
+        states = {}
+        for t in range(n):
+            parent = trees[i][t]
+            h = h0 if t == 0 else states[parent]
+            s = i * n + t
+            want_o, states[t] = _ref_delta_rule(
+                _l2n(q[0, s : s + 1]), _l2n(k[0, s : s + 1]), v[0, s : s + 1],
+                gate[s : s + 1], beta[s : s + 1], h, D**-0.5,
+            )  # fmt: skip
+            _close(o[s], want_o, what=f"request {i} draft {t}")
+            _close(buffer[rows[i], t], states[t], what=f"request {i} state after draft {t}")
+        if slots[i] >= 0:
+            want_pool = states[n - 1] if update else before[slots[i]]
+            _close(pool[slots[i]], want_pool, what=f"request {i} pool")
+    assert torch.equal(pool[[0, 1, 3, 4]], before[[0, 1, 3, 4]])
+    assert (buffer[2] == 7).all()  # no request's row
+
+
+def test_the_verify_then_the_accepted_states_continue_as_a_decode_would():
+    """Verify a chain of drafts, take the states after an accepted draft ``s`` (what the commit
+    after verify copies into the slot: window s, SSM state s), decode the next token from them;
+    the same as decoding drafts 0..s and that token one at a time from the start."""
+    dim, W, n, H, Hv, D, s = 32, 4, 4, 2, 4, 32, 1
+    g = _gen(24)
+    w, bias = torch.randn(dim, W, generator=g), torch.randn(dim, generator=g)
+    x = torch.randn(n + 1, dim, generator=g)  # the drafts, then the next token
+    conv0 = torch.randn(2, dim, W - 1, generator=g)
+    q, k, v, _, _ = _gdn_inputs(25, n + 1)
+    A_log, a, b, dt_bias = _decode_gates(26, n + 1, Hv)
+    ssm0 = torch.randn(2, Hv, D, D, generator=_gen(27)) * 0.1
+    one = torch.tensor([1], dtype=I32)
+
+    conv, ssm = conv0.clone(), ssm0.clone()
+    windows, states = torch.zeros(1, n, dim, W - 1), torch.zeros(1, n, Hv, D, D)
+    mamba.causal_conv1d_update_cpu(
+        x[:n].T[None], conv, w, bias, "silu", one,
+        intermediate_conv_window=windows, intermediate_state_indices=torch.tensor([0], dtype=I32),
+    )  # fmt: skip
+    OPS.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log, dt_bias, q[:, :n], k[:, :n], v[:, :n], a[:n], b[:n], ssm, one,
+        torch.tensor([0, n], dtype=I32), True, 1.0, 20.0, False, True, states,
+        torch.tensor([0], dtype=I32), n, None,
+    )  # fmt: skip
+    assert torch.equal(ssm, ssm0)  # disable_state_update
+    conv[1], ssm[1] = windows[0, s], states[0, s]  # the commit of draft s
+    nxt = slice(n, n + 1)
+    conv_out = mamba.causal_conv1d_update_cpu(x[nxt], conv, w, bias, "silu", one)
+    o = OPS.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log, dt_bias, q[:, nxt], k[:, nxt], v[:, nxt], a[nxt], b[nxt], ssm, one,
+        torch.tensor([0, 1], dtype=I32), True,
+    )  # fmt: skip
+
+    conv_ref, ssm_ref = conv0.clone(), ssm0.clone()
+    for t in list(range(s + 1)) + [n]:
+        ref_out = mamba.causal_conv1d_update_cpu(x[t : t + 1], conv_ref, w, bias, "silu", one)
+        ref_o = OPS.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log, dt_bias, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], a[t : t + 1],
+            b[t : t + 1], ssm_ref, one, torch.tensor([0, 1], dtype=I32), True,
+        )  # fmt: skip
+    assert torch.equal(conv_out, ref_out) and torch.equal(conv[1], conv_ref[1])
+    _close(o, ref_o, what="the next token's output")
+    _close(ssm[1], ssm_ref[1], what="the state after it")
+
+
+def test_the_verify_arguments_are_checked():
+    x = torch.randn(1, 32, 4)
+    pool, w = torch.zeros(2, 32, 3), torch.randn(32, 4)
+    idx = torch.tensor([0], dtype=I32)
+    with pytest.raises(RuntimeError, match="intermediate_state_indices"):
+        mamba.causal_conv1d_update_cpu(x, pool, w, None, "silu", idx, intermediate_conv_window=torch.zeros(1, 4, 32, 3))
+    with pytest.raises(RuntimeError, match="retrieve_next_sibling"):
+        mamba.causal_conv1d_update_cpu(x, pool, w, None, "silu", idx, retrieve_next_token=torch.zeros(1, 4, dtype=torch.long))
+    q, k, v, _, _ = _gdn_inputs(28, 4)
+    A_log, a, b, dt_bias = _decode_gates(29, 4, 4)
+    args = (A_log, dt_bias, q, k, v, a, b, torch.zeros(2, 4, 32, 32), idx, torch.tensor([0, 4], dtype=I32), True)
+    with pytest.raises(RuntimeError, match="is_kda"):
+        OPS.fused_sigmoid_gating_delta_rule_update_cpu(*args, is_kda=True)
+    with pytest.raises(RuntimeError, match="intermediate_states_buffer must be"):
+        OPS.fused_sigmoid_gating_delta_rule_update_cpu(
+            *args, intermediate_states_buffer=torch.zeros(1, 3, 4, 32, 32), intermediate_state_indices=idx
+        )

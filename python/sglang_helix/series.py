@@ -539,7 +539,10 @@ PREFIX_TESTS = {
         "test/test_qwen3_5_cpu_paths.py", "-k", "gated_rmsnorm",
     ],
     "[CPU] Hybrid models: the mamba radix cache takes no extra buffer where the platform has none": [
-        "test/test_qwen3_5_cpu_paths.py",
+        "test/test_qwen3_5_cpu_paths.py", "-k", "not verify",
+    ],
+    "[CPU] Hybrid models: a verify's accepted linear-attention states are committed in torch": [
+        "test/test_qwen3_5_cpu_paths.py", "-k", "verify",
     ],
     # (plain TP's reads: the mode's FP8 pools are tested at its own prefixes, test_helix_attention.py)
     "[CPU] FP8 KV cache without AMX: store FP8, dequantize what torch attention reads": [
@@ -601,6 +604,8 @@ PRS = [
     (6, "[DCP] PD disaggregation into the GQA mode", "[DCP] PD: a GQA decode server", "[DCP] PD: a GQA decode server"),
     (7, "[DCP] GQA-mode decode performance (needs GPU numbers)",
      "[Kernel] Triton decode stage 2: optional head-split", "[DCP] GQA-mode decode: a split extent"),
+    (8, "[CPU] Speculation on hybrid models: the verify's state commit",
+     "[CPU] Hybrid models: a verify's accepted", "[CPU] Hybrid models: a verify's accepted"),
 ]  # fmt: skip
 # The review budget (issue 60): the PRs that carry the mode's logic, together.
 PR_BUDGET = ((1, 2, 4, 5), 2100)

@@ -12,6 +12,7 @@ STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgl_kernel_
 # sglang.srt.models is skipped by the default tier's servers (SGLANG_DISABLED_MODEL_ARCHS, below).
 SERVED_MODEL_MODULES = (
     "llama", "llama_eagle", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text",
+    "qwen3_5_mtp",
 )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from sglang_helix.testing.tiny_models import write_tokenizer
 
@@ -68,12 +68,44 @@ class Qwen35Spec:
     experts_per_token: int = 2
     moe_intermediate_size: int = 64
     shared_expert_intermediate_size: int = 64
+    # The MTP layer Qwen publishes beside the model (``mtp.*``, ``mtp_num_hidden_layers: 1``),
+    # which ``--speculative-algorithm NEXTN`` serves as the draft (``_mtp_tensors``). Off: the
+    # checkpoint and its stamp are byte-for-byte what they were before the field existed.
+    mtp: bool = False
 
 
 DENSE = Qwen35Spec()
 MOE = Qwen35Spec(
     arch="qwen3_5_moe", num_layers=4, head_dim=64, mrope=False, intermediate_size=64
 )
+DENSE_MTP = replace(DENSE, mtp=True)
+MOE_MTP = replace(MOE, mtp=True)
+
+# The MTP layer's draft (``_mtp_tensors``): it knows the target's greedy continuation of each of
+# these prompts (``mtp_prompts``, the workload of ``test/test_qwen3_5_harness.py``) for its first
+# ``MTP_KNOWN_STEPS`` tokens, and nothing else.
+MTP_PROMPT_LENS = (1, 5, 13, 150)
+MTP_PROMPT_SEED = 35
+MTP_KNOWN_STEPS = 6
+MTP_RESIDUAL_SCALE = 0.1  # the MTP decoder layer's o_proj / down_proj: a small, live contribution
+MTP_HIDDEN_SCALE = 0.02  # fc's target-hidden-state half
+
+
+def _stamp(spec: Qwen35Spec) -> dict:
+    """The spec as its stamp records it; without ``mtp`` when off (stamps of old checkpoints)."""
+    d = asdict(spec)
+    if not spec.mtp:
+        del d["mtp"]
+    return d
+
+
+def mtp_prompts(vocab_size: int = 512) -> list[list[int]]:
+    """The prompts whose greedy continuations the MTP draft knows: token ids of 1, 5, 13 and 150
+    tokens (``test_qwen3_5_harness.prompts()``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(MTP_PROMPT_SEED)
+    return [torch.randint(7, vocab_size, (n,), generator=g).tolist() for n in MTP_PROMPT_LENS]
 
 
 def layer_types(spec: Qwen35Spec) -> list[str]:
@@ -171,7 +203,7 @@ def write_qwen3_5_model(path: str, spec: Qwen35Spec = DENSE) -> str:
     stamp = os.path.join(path, "tiny_model_spec.json")
     if os.path.exists(stamp):
         with open(stamp) as f:
-            if json.load(f) == asdict(spec):
+            if json.load(f) == _stamp(spec):
                 return path
     os.makedirs(path, exist_ok=True)
     write_tokenizer(path, spec.vocab_size)
@@ -194,11 +226,110 @@ def write_qwen3_5_model(path: str, spec: Qwen35Spec = DENSE) -> str:
         mamba_ssm_dtype="float32",
         dtype="float32",
     )
+    if spec.mtp:
+        _add_mtp_layer(path, model, spec)
+        cfg["mtp_num_hidden_layers"] = 1
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     with open(stamp, "w") as f:
-        json.dump(asdict(spec), f)
+        json.dump(_stamp(spec), f)
     return path
+
+
+def _greedy(model, prompt: list[int], steps: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def _gemma_norm(x, weight, eps: float = 1e-6):
+    return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * (1.0 + weight)
+
+
+def _mtp_tensors(model, spec: Qwen35Spec) -> dict:
+    """The MTP layer in the layout Qwen publishes (what ``qwen3_5_mtp.py``'s ``load_weights``
+    reads): ``mtp.fc`` ``[H, 2H]`` over ``cat(pre_fc_norm_embedding(embed(x)),
+    pre_fc_norm_hidden(h))``, one full-attention decoder layer ``mtp.layers.0.*`` (the
+    checkpoint's own names: gated ``q_proj``, q/k norms, the dense MLP or the experts, router and
+    gated shared expert as the model's layers are written), ``mtp.norm``; the embedding and
+    ``lm_head`` are the target's (the server shares them).
+
+    A random MTP layer's drafts are all rejected, so its verify never keeps a partial prefix. This
+    one proposes, for a token ``x``, the target's greedy successor of ``x`` in the continuations of
+    ``mtp_prompts`` (their first ``MTP_KNOWN_STEPS`` tokens; a token seen twice keeps its first
+    successor): ``fc``'s embedding half maps each known token's normed embedding onto the
+    ``lm_head`` row of its successor (least squares, exact: fewer tokens than hidden dims), the
+    decoder layer adds a small random contribution (``o_proj`` / ``down_proj`` scaled by
+    ``MTP_RESIDUAL_SCALE``), ``fc``'s hidden half a smaller one. So a chain of drafts along a
+    known continuation is accepted to its end and the first draft past it is rejected: accept
+    lengths vary within one request and between requests. Any other token's draft is noise."""
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    hidden = spec.hidden_size
+    known: dict[int, int] = {}
+    for prompt in mtp_prompts(spec.vocab_size):
+        cont = _greedy(model, prompt, MTP_KNOWN_STEPS)
+        for x, y in zip(cont[:-1], cont[1:]):
+            known.setdefault(x, y)
+    assert len(known) < hidden, len(known)
+
+    # One decoder layer of the model's own class and names (a 1-layer full-attention model).
+    config = _config(spec)
+    config.num_hidden_layers = 1
+    config.layer_types = ["full_attention"]
+    torch.manual_seed(spec.seed + 1)
+    layer_model = getattr(transformers, ARCHS[spec.arch])(config).to(torch.float32)
+    _init_weights(layer_model, spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        layer_model.save_pretrained(tmp, safe_serialization=True)
+        written = load_file(os.path.join(tmp, "model.safetensors"))
+    out = {}
+    for name, t in written.items():
+        if not name.startswith("model.layers.0."):
+            continue
+        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            t = t * MTP_RESIDUAL_SCALE
+        out["mtp." + name[len("model.") :]] = t.contiguous()
+
+    g = torch.Generator().manual_seed(spec.seed + 2)
+    embed = model.get_input_embeddings().weight.detach().float()
+    head = model.get_output_embeddings().weight.detach().float()
+    norm_embedding = 0.1 * torch.randn(hidden, generator=g)
+    xs = torch.tensor(sorted(known))
+    keys = _gemma_norm(embed[xs], norm_embedding)  # [n, H]: what fc's embedding half sees
+    values = head[torch.tensor([known[int(x)] for x in xs])]  # [n, H]: the successors' rows
+    # A keys^T = values^T with the minimum norm: A = values^T (keys keys^T)^-1 keys.
+    fc_embedding = values.T @ torch.linalg.solve(keys @ keys.T, keys)
+    fc_hidden = MTP_HIDDEN_SCALE * torch.randn(hidden, hidden, generator=g) / hidden**0.5
+    out.update(
+        {
+            "mtp.fc.weight": torch.cat([fc_embedding, fc_hidden], dim=1).contiguous(),
+            "mtp.pre_fc_norm_embedding.weight": norm_embedding,
+            "mtp.pre_fc_norm_hidden.weight": 0.1 * torch.randn(hidden, generator=g),
+            "mtp.norm.weight": torch.zeros(hidden),
+        }
+    )
+    return out
+
+
+def _add_mtp_layer(path: str, model, spec: Qwen35Spec) -> None:
+    """Append ``_mtp_tensors`` to the directory's ``model.safetensors`` (one file at this size)."""
+    from safetensors.torch import load_file, save_file
+
+    st = os.path.join(path, "model.safetensors")
+    assert os.path.exists(st) and not os.path.exists(st + ".index.json"), path
+    tensors = load_file(st)
+    tensors.update(_mtp_tensors(model, spec))
+    save_file(tensors, st, metadata={"format": "pt"})
 
 
 def main() -> None:
@@ -213,8 +344,12 @@ def main() -> None:
         action="store_true",
         help="Qwen3_5MoeForCausalLM (default: the dense one)",
     )
+    p.add_argument(
+        "--mtp", action="store_true", help="with the MTP layer (the NEXTN draft)"
+    )
     args = p.parse_args()
-    print(write_qwen3_5_model(args.path, MOE if args.moe else DENSE))
+    spec = MOE if args.moe else DENSE
+    print(write_qwen3_5_model(args.path, replace(spec, mtp=args.mtp)))
 
 
 if __name__ == "__main__":
@@ -246,7 +381,7 @@ def write_qwen3_5_vl_model(path: str, spec: Qwen35Spec = DENSE) -> str:
     import torch
     import transformers
 
-    want = {**asdict(spec), "vl": True}
+    want = {**_stamp(spec), "vl": True}
     stamp = os.path.join(path, "tiny_model_spec.json")
     if os.path.exists(stamp):
         with open(stamp) as f:

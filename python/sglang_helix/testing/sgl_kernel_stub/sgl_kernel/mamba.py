@@ -3,7 +3,9 @@
 They are the real wheel's Python wrappers (``sgl_kernel/mamba.py`` of the wheel paired with sglang
 0.5.23), word for word in what they pass: each forwards to a ``torch.ops.sgl_kernel`` op, which the
 stub defines in torch (``qwen3_5_cpu_ops``). Every other name of the module (the CUDA
-``causal_conv1d_fwd`` / ``causal_conv1d_update``) is a loud ``StubKernel``.
+``causal_conv1d_fwd`` / ``causal_conv1d_update``) is a loud ``StubKernel``. One addition:
+``causal_conv1d_update_cpu`` also takes the target verify's keyword arguments, which 0.5.23 passes
+and the wheel's wrapper does not accept (``qwen3_5_cpu_ops``, "Beyond the real ops").
 
 Test-only, with ``HELIX_TEST_MAMBA_CHUNK_STATES=1`` (``sglang_helix.testing.mamba_extra_buffer``):
 ``chunk_gated_delta_rule_cpu`` also returns the per-chunk states ``h`` the GPU's Triton/FLA chunk
@@ -47,8 +49,21 @@ def causal_conv1d_fn_cpu(
 
 
 def causal_conv1d_update_cpu(
-    mixed_qkv, conv_states, conv_weights, bias, activation, conv_state_indices
+    mixed_qkv,
+    conv_states,
+    conv_weights,
+    bias,
+    activation,
+    conv_state_indices,
+    intermediate_conv_window=None,
+    intermediate_state_indices=None,
+    retrieve_next_token=None,
+    retrieve_next_sibling=None,
+    retrieve_parent_token=None,
 ):
+    # The keyword arguments after conv_state_indices are not the wheel's: 0.5.23's hybrid target
+    # verify passes them (gdn_backend.forward_extend), and the wheel's wrapper has no such
+    # parameters (TypeError). The stub forwards them to its op (qwen3_5_cpu_ops.VERIFY_ARGS).
     return torch.ops.sgl_kernel.causal_conv1d_update_cpu(
         mixed_qkv,
         conv_states,
@@ -59,6 +74,11 @@ def causal_conv1d_update_cpu(
         conv_state_indices,
         -1,
         True,
+        intermediate_conv_window,
+        intermediate_state_indices,
+        retrieve_next_token,
+        retrieve_next_sibling,
+        retrieve_parent_token,
     )
 
 

@@ -25,6 +25,19 @@ serves. They compute in float32 like the real kernels (float64 in, float64 math)
 accepted and ignored: without AMX the engine never packs the conv weight, so it stays ``[dim,
 width]``. Every other input the real op rejects (index dtypes, state dtype, head-dim rules) is
 rejected here too.
+
+Beyond the real ops, on purpose: speculation's target verify. 0.5.23's hybrid verify
+(``gdn_backend.forward_extend`` in target-verify mode, what ``--speculative-algorithm NEXTN`` /
+``EAGLE`` runs on a Qwen3.5) calls ``causal_conv1d_update_cpu`` (through ``sgl_kernel.mamba``'s
+wrapper) and ``fused_sigmoid_gating_delta_rule_update_cpu`` with the arguments of upstream's Triton
+kernels that keep every draft's conv window and SSM state (``VERIFY_ARGS``); the real ops of the
+sgl-kernel paired with 0.5.23 take none of them (the wrapper raises ``TypeError`` on
+``intermediate_conv_window``), so on a real CPU 0.5.23 cannot verify drafts of a hybrid model.
+The stub's schemas add them as optional trailing arguments, with the Triton kernels' meaning
+(chain and tree; ``_conv_verify``, the GDN op's docstring), so the harness can run upstream's
+verify and its state commit through to the tokens. The fake (shape) functions
+``cpu_graph_runner.py`` registers for torch.compile keep the real schemas: the CPU graph with
+speculation is not served by the harness.
 """
 
 from __future__ import annotations
@@ -55,23 +68,44 @@ SCHEMAS = {
         "Tensor? query_start_loc, Tensor? cache_indices, Tensor? has_initial_state, bool silu_activation, "
         "int pad_slot_id, bool is_vnni) -> Tensor"
     ),
+    # + the target verify's arguments (VERIFY_ARGS): not in the real op's schema.
     "causal_conv1d_update_cpu": (
         "causal_conv1d_update_cpu(Tensor x, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
         "bool silu_activation, Tensor? cache_seqlens, Tensor? conv_state_indices, int pad_slot_id, "
-        "bool is_vnni) -> Tensor"
+        "bool is_vnni, Tensor(b!)? intermediate_conv_window=None, Tensor? intermediate_state_indices=None, "
+        "Tensor? retrieve_next_token=None, Tensor? retrieve_next_sibling=None, "
+        "Tensor(c!)? retrieve_parent_token=None) -> Tensor"
     ),
     "chunk_gated_delta_rule_cpu": (
         "chunk_gated_delta_rule_cpu(Tensor query, Tensor key, Tensor value, Tensor g, Tensor beta, "
         "Tensor(a!) initial_state, bool output_final_state, Tensor cu_seqlens, bool head_first, "
         "bool use_qk_l2norm_in_kernel, Tensor initial_state_indices, float eps=1e-6) -> (Tensor, Tensor)"
     ),
+    # + the target verify's arguments (VERIFY_ARGS): not in the real op's schema.
     "fused_sigmoid_gating_delta_rule_update_cpu": (
         "fused_sigmoid_gating_delta_rule_update_cpu(Tensor A_log, Tensor dt_bias, Tensor q, Tensor k, "
         "Tensor v, Tensor a, Tensor b, Tensor(a!) initial_state_source, Tensor initial_state_indices, "
         "Tensor cu_seqlens, bool use_qk_l2norm_in_kernel, float softplus_beta=1.0, "
-        "float softplus_threshold=20.0) -> Tensor"
+        "float softplus_threshold=20.0, bool is_kda=False, bool disable_state_update=False, "
+        "Tensor(b!)? intermediate_states_buffer=None, Tensor? intermediate_state_indices=None, "
+        "int? cache_steps=None, Tensor? retrieve_parent_token=None) -> Tensor"
     ),
 }
+# The arguments 0.5.23's hybrid target verify passes (gdn_backend.forward_extend, through
+# sgl_kernel.mamba's conv wrapper and gdn_triton.TritonGDNKernel.target_verify) beyond the real
+# CPU ops' schemas, with the meaning upstream's Triton kernels give them
+# (kernels/ops/mamba/causal_conv1d_triton._causal_conv1d_update_kernel,
+# kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py).
+VERIFY_ARGS = {
+    "causal_conv1d_update_cpu": (
+        "intermediate_conv_window", "intermediate_state_indices", "retrieve_next_token",
+        "retrieve_next_sibling", "retrieve_parent_token",
+    ),
+    "fused_sigmoid_gating_delta_rule_update_cpu": (
+        "is_kda", "disable_state_update", "intermediate_states_buffer", "intermediate_state_indices",
+        "cache_steps", "retrieve_parent_token",
+    ),
+}  # fmt: skip
 
 CHUNK_SIZE = 64  # the real chunk kernel's (and FLA's) chunk length
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -356,11 +390,19 @@ def causal_conv1d_update_cpu(
     conv_state_indices,
     pad_slot_id: int,
     is_vnni: bool,
+    intermediate_conv_window=None,
+    intermediate_state_indices=None,
+    retrieve_next_token=None,
+    retrieve_next_sibling=None,
+    retrieve_parent_token=None,
 ):
     """The decode conv: ``x [batch, dim]`` (or ``[batch, dim, seqlen]``) continues from
     ``conv_states[conv_state_indices[b]]``, which then holds the newest inputs. A pad-slot row is
     skipped (zeros out, state untouched). The circular-buffer mode (``cache_seqlens``) is not
-    implemented and raises."""
+    implemented and raises.
+
+    With the target verify's arguments (``VERIFY_ARGS``; ``_conv_verify``) ``x`` is ``[batch,
+    dim, draft_tokens]``, the drafts of each request, convolved along their chain or tree."""
     _require(
         cache_seqlens is None,
         "cache_seqlens (circular conv state) is not implemented by the stub",
@@ -373,6 +415,18 @@ def causal_conv1d_update_cpu(
             conv_state_indices.numel() == x.shape[0],
             "one conv state index per batch row",
         )
+    if intermediate_conv_window is not None or retrieve_next_token is not None:
+        return _conv_verify(
+            x, conv_states, weight, bias, silu_activation, conv_state_indices, pad_slot_id,
+            intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
+            retrieve_next_sibling, retrieve_parent_token,
+        )  # fmt: skip
+    _require(
+        intermediate_state_indices is None
+        and retrieve_next_sibling is None
+        and retrieve_parent_token is None,
+        "the verify's indices come with intermediate_conv_window / retrieve_next_token",
+    )
     width = weight.shape[1]
     xs3 = x if x.dim() == 3 else x.unsqueeze(-1)
     out = torch.zeros_like(xs3)
@@ -389,6 +443,107 @@ def causal_conv1d_update_cpu(
             :, -keep:
         ].to(conv_states.dtype)
     return out if x.dim() == 3 else out.squeeze(-1)
+
+
+def tree_parents(retrieve_next_token, retrieve_next_sibling, n: int) -> list[int]:
+    """Each draft's parent (its index among the request's ``n`` drafts), as the Triton conv
+    kernel derives it from EAGLE's tree lists, token by token in order: a token's first child
+    (``retrieve_next_token``) gets the token as parent, its next sibling
+    (``retrieve_next_sibling``) the token's own parent; ``-1`` is none. Token 0 is the root (the
+    last verified token) and keeps 0, as does a token nothing points to."""
+    parents = [0] * n
+    for t in range(n):
+        child, sibling = int(retrieve_next_token[t]), int(retrieve_next_sibling[t])
+        if child != -1 and 0 <= child < n:
+            parents[child] = t
+        if sibling != -1 and 0 <= sibling < n:
+            parents[sibling] = parents[t]
+    return parents
+
+
+def _conv_verify(
+    x, conv_states, weight, bias, silu: bool, conv_state_indices, pad_slot_id: int, windows,
+    window_indices, next_token, next_sibling, parent_out,
+):  # fmt: skip
+    """The target verify's conv (``_causal_conv1d_update_kernel`` with ``SAVE_INTERMEDIATE`` /
+    ``HAS_EAGLE_TREE_CUSTOM_ATTN_MASK``). Request ``b``'s ``n`` drafts ``x[b] [dim, n]`` start
+    from ``conv_states[conv_state_indices[b]]`` (``[dim, width - 1]``, oldest first):
+
+    - chain (no tree lists): draft ``t`` convolves the ``width`` newest inputs up to and
+      including it, the decode step's window;
+    - tree (``retrieve_next_token`` / ``retrieve_next_sibling`` ``[batch, >= n]``): draft ``t``
+      convolves its own input, its parent's, grand-parent's, ... (``tree_parents``), and past
+      the root (draft 0) the newest inputs of the state; each request's parents are written to
+      ``retrieve_parent_token[b, :n]`` (the GDN verify reads them);
+    - ``windows[window_indices[b], t]`` (``[dim, width - 1]``, when given) gets the window after
+      draft ``t``: the ``width - 1`` newest inputs on its path, oldest first (the state the
+      accepted prefix ending at ``t`` leaves; ``scatter_mamba_states_after_mtp_verify`` copies it
+      into the pool);
+    - the pool slot is left holding the last ``width - 1`` drafts in ``x``'s order (the kernel's
+      sliding-window write, a tree's included; the commit after verify overwrites it).
+
+    A pad-slot row (``conv_state_indices[b] == pad_slot_id``) is skipped entirely: zeros out, no
+    state, window or parent written."""
+    _require(x.dim() == 3, "the verify's x is [batch, dim, draft_tokens]")
+    _require(conv_state_indices is not None, "the verify needs conv_state_indices")
+    batch, dim, n = x.shape
+    width = weight.shape[1]
+    _require(
+        conv_states.shape[2] == width - 1,
+        "the verify's conv_states hold exactly width - 1 inputs",
+    )
+    if windows is not None:
+        _float(windows, "intermediate_conv_window")
+        _require(
+            windows.dim() == 4 and windows.shape[1] >= n and tuple(windows.shape[2:]) == (dim, width - 1),
+            "intermediate_conv_window must be [rows, >= draft_tokens, dim, width - 1]",
+        )  # fmt: skip
+        _require(window_indices is not None, "intermediate_conv_window needs intermediate_state_indices")
+        _int32(window_indices, "intermediate_state_indices")
+        _require(window_indices.numel() >= batch, "one intermediate_state_index per batch row")
+    tree = next_token is not None
+    if tree:
+        _require(
+            next_sibling is not None and parent_out is not None,
+            "a tree verify needs retrieve_next_sibling and retrieve_parent_token",
+        )
+        for t, name in ((next_token, "retrieve_next_token"), (next_sibling, "retrieve_next_sibling"),
+                        (parent_out, "retrieve_parent_token")):  # fmt: skip
+            _require(
+                t.dim() == 2 and t.shape[0] >= batch and t.shape[1] >= n and not t.is_floating_point(),
+                f"{name} must be integer [batch, >= draft_tokens]",
+            )  # fmt: skip
+    else:
+        _require(next_sibling is None, "retrieve_next_sibling without retrieve_next_token")
+    out = torch.zeros_like(x)
+    for b in range(batch):
+        slot = int(conv_state_indices[b])
+        if slot == pad_slot_id:
+            continue
+        prev = conv_states[slot]  # [dim, width - 1], oldest first
+        xs = x[b]
+        if tree:
+            parents = tree_parents(next_token[b], next_sibling[b], n)
+            parent_out[b, :n] = torch.tensor(parents, dtype=parent_out.dtype)
+        for t in range(n):
+            if tree:  # the path back from t: t, its parent, ..., the root, then the state
+                path, at = [xs[:, t]], t
+                while len(path) < width and at > 0:
+                    at = parents[at]
+                    path.append(xs[:, at])
+                path += [prev[:, -1 - i] for i in range(width - len(path))]
+                window = torch.stack(path[::-1], dim=1)  # [dim, width], oldest first
+            else:
+                window = torch.cat([prev.to(xs.dtype), xs[:, : t + 1]], dim=1)[:, -width:]
+            out[b, :, t] = _conv(
+                window[:, : width - 1], window[:, width - 1 :], weight, bias, silu
+            )[:, 0].to(x.dtype)
+            if windows is not None:
+                windows[int(window_indices[b]), t] = window[:, 1:].to(windows.dtype)
+        conv_states[slot] = torch.cat([prev.to(xs.dtype), xs], dim=1)[:, -(width - 1) :].to(
+            conv_states.dtype
+        )
+    return out
 
 
 # -- gated delta rule (mamba/fla.cpp) ---------------------------------------------------------------
@@ -557,24 +712,44 @@ def fused_sigmoid_gating_delta_rule_update_cpu(
     use_qk_l2norm_in_kernel: bool,
     softplus_beta: float = 1.0,
     softplus_threshold: float = 20.0,
+    is_kda: bool = False,
+    disable_state_update: bool = False,
+    intermediate_states_buffer=None,
+    intermediate_state_indices=None,
+    cache_steps=None,
+    retrieve_parent_token=None,
 ):
-    """The GDN decode step, gates fused in: ``q``/``k`` ``[S, B, H, K]``, ``v`` ``[S, B, Hv, V]``
-    (S tokens of each of B sequences; decode has S = 1), ``a``/``b`` ``[B, Hv]`` (S = 1). Per token:
-    ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, then the delta rule on the
-    state ``initial_state_source[initial_state_indices[b]]`` (``[Hv, V, K]`` float32, updated in
-    place; a negative index starts from zeros and is not written). Returns ``o [B, S, Hv, V]``.
-    """
+    """The GDN decode step, gates fused in: ``q``/``k`` ``[1, T, H, K]``, ``v`` ``[1, T, Hv,
+    V]``, ``a``/``b`` ``[T, Hv]``, sequence i the tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``
+    (decode: one token each). Per token: ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta =
+    sigmoid(b)``, then the delta rule on the state of sequence i, ``initial_state_source[
+    initial_state_indices[i]]`` (``[Hv, V, K]`` float32; a negative index starts from zeros), which
+    gets its final state back in place (a negative index: not written). Returns ``o [T, 1, Hv,
+    V]`` (the real op's layout; the Triton kernel's ``[1, T, Hv, V]`` holds the same elements).
+
+    The target verify (``VERIFY_ARGS``, the Triton kernel's ``fused_sigmoid_gating_delta_rule_
+    update`` contract): each sequence is one request's drafts, and
+    - ``disable_state_update``: the pool is read, never written;
+    - ``intermediate_states_buffer`` ``[rows, >= drafts, Hv, V, K]``: row
+      ``intermediate_state_indices[i]`` (skipped when negative) gets the state after each draft
+      ``t`` at ``[row, t]``, in the buffer's dtype;
+    - ``retrieve_parent_token`` ``[sequences, >= drafts]`` (a tree; the conv's output): draft
+      ``t > 0`` continues from its parent's state read back from that row, not from draft ``t -
+      1``'s (with a negative row, from draft ``t - 1``'s, as the kernel does);
+    - ``cache_steps`` is the kernel's row pitch; here the buffer's own shape gives it.
+    ``is_kda`` (per-key gates) is not implemented and raises."""
     _float(q, "q")
-    _require(q.dim() == 4 and v.dim() == 4, "q and v are 4-D [S, B, heads, dim]")
-    S, B, H, K = q.shape
+    _require(not is_kda, "is_kda (KDA's per-key gates) is not implemented by the stub")
+    _require(q.dim() == 4 and v.dim() == 4, "q and v are 4-D [1, T, heads, dim]")
+    one, T, H, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
+    _require(one == 1, "q is packed varlen: [1, T, H, K]")
     _require(k.shape == q.shape and k.dtype == q.dtype, "k must match q")
     _require(
-        v.shape[:2] == (S, B) and v.dtype == q.dtype,
-        "v must be [S, B, Hv, V] in q's dtype",
+        v.shape[:2] == (1, T) and v.dtype == q.dtype,
+        "v must be [1, T, Hv, V] in q's dtype",
     )
-    _require(S == 1, "a and b hold one token per sequence: S must be 1")
-    _require(a.shape == (B, Hv) and b.shape == (B, Hv), "a and b must be [B, Hv]")
+    _require(a.shape == (T, Hv) and b.shape == (T, Hv), "a and b must be [T, Hv]")
     _require(
         a.dtype == q.dtype and b.dtype == q.dtype and dt_bias.dtype == q.dtype,
         "a, b, dt_bias in q's dtype",
@@ -586,43 +761,66 @@ def fused_sigmoid_gating_delta_rule_update_cpu(
     _require(Hv % H == 0, "value heads must be a multiple of key heads")
     _int32(initial_state_indices, "initial_state_indices")
     _int32(cu_seqlens, "cu_seqlens")
-    _require(initial_state_indices.shape == (B,), "one state index per sequence")
+    bounds = cu_seqlens.tolist()
+    N = len(bounds) - 1
     _require(
-        cu_seqlens.tolist() == [i * S for i in range(B + 1)],
-        "cu_seqlens must give each sequence S tokens",
-    )
+        N >= 0 and bounds[0] == 0 and bounds[-1] == T and all(s <= e for s, e in zip(bounds, bounds[1:])),
+        "cu_seqlens must split the T tokens into sequences",
+    )  # fmt: skip
+    _require(initial_state_indices.shape == (N,), "one state index per sequence")
     _check_state_pool(initial_state_source, Hv, V, K, "initial_state_source")
     _require(
-        initial_state_source.shape[0] >= B, "the state pool must hold every sequence"
+        initial_state_source.shape[0] >= N, "the state pool must hold every sequence"
     )
+    steps = max((e - s for s, e in zip(bounds, bounds[1:])), default=0)
+    if intermediate_states_buffer is not None:
+        _require(
+            intermediate_states_buffer.dim() == 5
+            and intermediate_states_buffer.shape[1] >= steps
+            and tuple(intermediate_states_buffer.shape[2:]) == (Hv, V, K),
+            "intermediate_states_buffer must be [rows, >= tokens per sequence, Hv, V, K]",
+        )
+        _require(intermediate_state_indices is not None, "intermediate_states_buffer needs intermediate_state_indices")
+        _int32(intermediate_state_indices, "intermediate_state_indices")
+        _require(intermediate_state_indices.numel() >= N, "one intermediate_state_index per sequence")
+    if retrieve_parent_token is not None:
+        _require(
+            retrieve_parent_token.dim() == 2
+            and retrieve_parent_token.shape[0] >= N
+            and retrieve_parent_token.shape[1] >= steps,
+            "retrieve_parent_token must be [sequences, >= tokens per sequence]",
+        )
     acc = _acc(q)
-    qf, kf = q[0].to(acc), k[0].to(acc)  # [B, H, K]
+    qf, kf = q[0].to(acc), k[0].to(acc)  # [T, H, K]
     if use_qk_l2norm_in_kernel:
         qf, kf = _l2norm(qf, 1e-6), _l2norm(kf, 1e-6)
     qf = qf * K**-0.5
     rep = Hv // H
-    qf, kf = qf.repeat_interleave(rep, dim=1), kf.repeat_interleave(
-        rep, dim=1
-    )  # [B, Hv, K]
-    vf = v[0].to(acc)  # [B, Hv, V]
+    qf, kf = qf.repeat_interleave(rep, dim=1), kf.repeat_interleave(rep, dim=1)  # [T, Hv, K]
+    vf = v[0].to(acc)  # [T, Hv, V]
     g = -torch.exp(A_log.to(acc)) * _softplus(
         a.to(acc) + dt_bias.to(acc), softplus_beta, softplus_threshold
     )
-    beta = torch.sigmoid(b.to(acc))  # [B, Hv]
-    slots = initial_state_indices.tolist()
-    h = torch.stack(
-        [
-            initial_state_source[s].to(acc) if s >= 0 else qf.new_zeros(Hv, V, K)
-            for s in slots
-        ]
-    )  # [B, Hv, V, K]
-    h = h * torch.exp(g)[..., None, None]
-    u = beta.unsqueeze(-1) * (vf - (h @ kf.unsqueeze(-1)).squeeze(-1))  # [B, Hv, V]
-    h = h + u.unsqueeze(-1) * kf.unsqueeze(-2)
-    o = (h @ qf.unsqueeze(-1)).squeeze(-1)  # [B, Hv, V]
-    for i, s in enumerate(slots):
-        if s >= 0:
-            initial_state_source[s] = h[i].to(initial_state_source.dtype)
+    beta = torch.sigmoid(b.to(acc))  # [T, Hv]
+    o = torch.empty(T, Hv, V, dtype=acc)
+    for i, slot in enumerate(initial_state_indices.tolist()):
+        s, e = bounds[i], bounds[i + 1]
+        row = -1
+        if intermediate_states_buffer is not None:
+            row = int(intermediate_state_indices[i])
+        h = initial_state_source[slot].to(acc) if slot >= 0 else qf.new_zeros(Hv, V, K)
+        for step, t in enumerate(range(s, e)):
+            if retrieve_parent_token is not None and step > 0 and row >= 0:
+                parent = int(retrieve_parent_token[i, step])
+                h = intermediate_states_buffer[row, parent].to(acc)
+            h = h * torch.exp(g[t])[:, None, None]
+            u = beta[t][:, None] * (vf[t] - (h @ kf[t].unsqueeze(-1)).squeeze(-1))  # [Hv, V]
+            h = h + u.unsqueeze(-1) * kf[t].unsqueeze(-2)
+            o[t] = (h @ qf[t].unsqueeze(-1)).squeeze(-1)
+            if row >= 0:
+                intermediate_states_buffer[row, step] = h.to(intermediate_states_buffer.dtype)
+        if slot >= 0 and not disable_state_update and e > s:
+            initial_state_source[slot] = h.to(initial_state_source.dtype)
     return o.unsqueeze(1).to(q.dtype)
 
 
