@@ -362,7 +362,9 @@ CASES = [
     ("dcp4", "torch_native", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, False),
     ("dcp2-a2a", "torch_native", ["--tp", "4", "--dcp-size", "2", "--dcp-comm-backend", "a2a", "--max-total-tokens", "192"], False),
     # replicated Q: Helix's layout (at interleave 1) with DCP's own flags, one All-to-All a layer
-    ("dcp2-rq", "torch_native", ["--tp", "4"] + _REPLICATED_Q, True),
+    # (full tier from 2026-12-07: the default run serves DCP's spelling of the mode against plain TP
+    # in test_qwen3_5_mtp.py's dense-chain-dcp4, and the mode on Llama in test_helix_soak.py)
+    ("dcp2-rq", "torch_native", ["--tp", "4"] + _REPLICATED_Q, False),
     # the same with the exchange named (what the replicated-Q patch's prefix serves: the GQA mode's
     # resolution, which picks the exchange, comes later in the series)
     ("dcp2-rq-a2a", "torch_native", ["--tp", "4"] + _REPLICATED_Q_A2A, False),
@@ -410,7 +412,7 @@ _SPELLINGS = {
 
 
 @pytest.mark.e2e
-@FULL  # (the default run serves the DCP spelling against plain TP through dcp2-rq above)
+@FULL  # (the default run serves the DCP spelling against plain TP: test_qwen3_5_mtp.py, dense-chain-dcp4)
 def test_both_spellings_serve_identical_logprobs(model_dir, server_log_dir):
     """``--helix-kvp-size 2`` and ``--dcp-size 2 --dcp-comm-backend a2a --dcp-replicate-q-proj
     --dcp-interleave-size 64`` on a ``--tp 4`` Llama with 2 KV heads: one server. A single request

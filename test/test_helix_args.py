@@ -1307,24 +1307,40 @@ def test_qwen3_5_radix_cache_without_extra_buffer_is_refused_in_one_line(qwen3_5
     ), message
 
 
-@pytest.mark.parametrize("args,what,given,fix", [
-    (["--speculative-algorithm", "NEXTN"], "speculative decoding of a hybrid linear-attention model yet",
-     "--speculative-algorithm EAGLE", "Drop --speculative-algorithm"),  # NEXTN is upstream's alias of EAGLE
-    (["--disaggregation-mode", "decode"],
-     "a prefill/decode disaggregation decode server for a hybrid linear-attention model yet",
-     "--disaggregation-mode decode", "Serve it without --disaggregation-mode"),
-], ids=["mtp", "pd-decode"])  # fmt: skip
-def test_qwen3_5_speculation_and_pd_are_refused_in_one_line(
-    qwen3_5, args, what, given, fix
-):
-    """Qwen3.5's MTP draft and a Qwen3.5 PD decode server are not served in the mode yet."""
+def test_qwen3_5_mtp_draft_is_accepted(qwen3_5):
+    """Qwen3.5's MTP draft (NEXTN, upstream's alias of EAGLE: the model's own MTP layer) resolves
+    into the mode (served: test_qwen3_5_mtp.py)."""
     path = qwen3_5()
-    spec = ["--speculative-draft-model-path", path] if "NEXTN" in args else []
+    args = ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache"]
+    spec = ["--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", path,
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
+    cfg = view(resolve(path, [*args, *spec]))
+    assert gqa_mode(cfg) and cfg.speculative_algorithm == "EAGLE"
+
+
+def test_qwen3_5_pd_decode_is_accepted(qwen3_5):
+    """A Qwen3.5 PD decode server resolves into the mode (served: test_helix_qwen3_5_pd.py)."""
+    path = qwen3_5()
+    args = ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache"]
+    pd = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
+    cfg = view(resolve(path, [*args, *pd]))
+    assert gqa_mode(cfg) and cfg.disaggregation_mode == "decode"
+
+
+@pytest.mark.parametrize("alg", ["STANDALONE", "NGRAM"])
+def test_qwen3_5_speculation_other_than_its_mtp_layer_is_refused_in_one_line(qwen3_5, alg):
+    """A hybrid model's drafts other than its own MTP layer (a STANDALONE Qwen3.5 draft keeps
+    linear-attention states of its own; NGRAM's verify is not served on it) are refused."""
+    path = qwen3_5()
+    spec = ["--speculative-draft-model-path", path] if alg == "STANDALONE" else []
     message = helix_error(
         path,
-        ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache", *args, *spec],
+        ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache", "--speculative-algorithm", alg, *spec],
     )
-    assert message == _unsupported(what, given, fix), message
+    assert message == _unsupported(
+        f"{alg} speculation of a hybrid linear-attention model yet", f"--speculative-algorithm {alg}",
+        "Use --speculative-algorithm NEXTN (the model's MTP layer)",
+    ), message
 
 
 def test_qwen3_next_is_refused_in_one_line(tmp_path):

@@ -119,6 +119,40 @@ def test_rank_mapping_reads_each_head_from_the_ranks_holding_it(P, N, KVP, K):
         assert waits[r] == [len(waits[r])] * len(waits[r]) and waits[r], (r, waits[r])
 
 
+@pytest.mark.parametrize("P,N,KVP,K", LAYOUTS + [(p, n, 1, 8) for p in (1, 2, 4, 8) for n in (1, 2, 4, 8)])
+def test_linear_attention_states_come_once_from_the_ranks_holding_them(P, N, KVP, K):
+    """A hybrid model's (Qwen3.5's) Gated DeltaNet states are plain TP over all N decode ranks, each
+    rank 1/N of the state heads, while in the mode a decode rank reads the prefill ranks of its DCP
+    group's KV head slice. Of those, the ranks ``dcp_gqa.state_slices_overlap`` lets send states
+    cover the decode rank's heads exactly once (the others hold none of them: their slice written at
+    its offset was the KVP 4 bug, a p2 -> kvp4 pair serving wrong tokens); at KVP 1 (upstream's
+    mapping, no DCP) every rank read overlaps, so plain PD sends what 0.5.23 sends."""
+    from sglang.srt.disaggregation.utils import compute_mamba_state_slice_blocks
+
+    heads = P * N  # state heads: whole shares on both sides
+    src_dim, dst_dim = heads // P, heads // N
+    for d in range(N):
+        ranks = decode_reads(d, N, KVP, P)[0] if KVP > 1 else _plain_reads(d, N, P)
+        senders = [r for r in ranks if dcp_gqa.state_slices_overlap(r, P, d, N)]
+        if KVP == 1:
+            assert senders == ranks, (d, ranks)
+        slot = [[] for _ in range(dst_dim)]  # what lands at each head of d's state slot
+        for r in senders:  # what the prefill sends (mooncake's state send: whole, or sliced)
+            blocks = [(0, 0, src_dim)] if P == N else compute_mamba_state_slice_blocks(
+                src_dim, dst_dim, P, N, d, r
+            )  # fmt: skip
+            for src_start, dst_start, num in blocks:
+                for k in range(num):
+                    slot[dst_start + k].append(r * src_dim + src_start + k)
+        want = [[h] for h in range(d * dst_dim, (d + 1) * dst_dim)]
+        assert slot == want, (d, ranks, senders, slot)
+
+
+def _plain_reads(d, N, P):
+    """Upstream's plain-TP mapping: the prefill ranks a --tp N decode rank reads."""
+    return [d // (N // P)] if N >= P else list(range(d * (P // N), (d + 1) * (P // N)))
+
+
 def test_rank_mapping_refuses_sizes_that_do_not_divide():
     with pytest.raises(ValueError, match="--tp 3"):
         decode_reads(0, 4, 2, 3)

@@ -11,13 +11,13 @@ the same float32 bound (``ATOL + RTOL * |lp|``).
 
 Layouts (default tier): ``--helix-kvp-size 2`` (TPA 2: each rank of a pair projects 8 of the 16
 query heads and their gates, attends over its half of the sequence and keeps 4 heads after the
-All-to-All) and
-DCP's spelling at KVP 4 (``--dcp-size 4 --dcp-replicate-q-proj``, TPA 1) on the dense model, with
-``--chunked-prefill-size 96`` as its baseline (resolved to the mode's page multiple: the 150-token
-prompt is served in two chunks, the second reading the sharded KV and the linear-attention states
-the first left); ``--helix-kvp-size 2`` on the MoE model. Full tier: upstream's ``--dcp-size 2``
-(Q gathered) on the dense model, the MoE model at KVP 4, and the dense model at KVP 2 on
-interpreted Triton.
+All-to-All) on the dense model, with ``--chunked-prefill-size 96`` as its baseline (resolved to the
+mode's page multiple: the 150-token prompt is served in two chunks, the second reading the sharded
+KV and the linear-attention states the first left). The default run serves KVP 4 through DCP's
+spelling with the MTP draft (``test_qwen3_5_mtp.py``, ``dense-chain-dcp4``) and the mode as a PD
+decode server (``test_helix_qwen3_5_pd.py``). Full tier: DCP's spelling at KVP 4 (``--dcp-size 4
+--dcp-replicate-q-proj``, TPA 1), upstream's ``--dcp-size 2`` (Q gathered) on the dense model, the
+MoE model at KVP 2 and 4, and the dense model at KVP 2 on interpreted Triton.
 
 Every layout runs with upstream's KV debug checks (``kv_checks.DEBUG_ENV``): each rank checks its
 KV pool and its linear-attention state pool after every batch and whenever idle (a leak or double
@@ -57,7 +57,7 @@ DENSE_LAYOUTS = {
     "dcp2": ["--dcp-size", "2"],  # upstream's DCP: Q gathered
     "kvp2-triton": ["--helix-kvp-size", "2"],
 }
-FULL_TIER = {"dcp2", "kvp2-triton", "moe-kvp4"}
+FULL_TIER = {"dcp2", "dcp4-rq", "kvp2-triton", "moe-kvp4"}
 
 
 def serve_checked(
@@ -133,7 +133,7 @@ def test_dense_serves_plain_tp(qwen3_5_dirs, server_log_dir, layout):
 
 
 @pytest.mark.parametrize(
-    "kvp", [pytest.param(2, id="moe-kvp2"), pytest.param(4, id="moe-kvp4", marks=FULL)]
+    "kvp", [pytest.param(2, id="moe-kvp2", marks=FULL), pytest.param(4, id="moe-kvp4", marks=FULL)]
 )
 def test_moe_serves_plain_tp(qwen3_5_dirs, server_log_dir, kvp):
     path = qwen3_5_dirs["moe"]

@@ -129,6 +129,18 @@ def test_the_mtp_checkpoint_adds_the_layer_to_the_same_target(qwen3_5_dirs, mtp_
         assert "mtp" not in json.load(f)
 
 
+_SPEC: dict = {}
+
+
+def serve_spec_once(model_path: str, args: list, log_dir: str) -> dict:
+    """``serve_spec``, one server per layout and session (the plain-TP spec servers are the
+    references of the mode's)."""
+    key = (model_path, tuple(args))
+    if key not in _SPEC:
+        _SPEC[key] = serve_spec(model_path, args, log_dir)
+    return _SPEC[key]
+
+
 def serve_spec(model_path: str, args: list, log_dir: str) -> dict:
     """The workload (with the speculation fields of ``meta_info``) on ``--tp 4 args`` with the
     KV debug checks; then the cache flushed, idle, one more request: the results, the checks that
@@ -195,7 +207,7 @@ def test_mtp_speculation_serves_plain_tps_tokens(qwen3_5_dirs, mtp_dirs, server_
     base = harness.serve(qwen3_5_dirs[model], 4, server_log_dir, chunked)
     path = mtp_dirs(model)
     args = [*flags, path] if flags[-1] == "--speculative-draft-model-path" else flags
-    got = serve_spec(path, [*args, *chunked], server_log_dir)
+    got = serve_spec_once(path, [*args, *chunked], server_log_dir)
     stats = accept_stats(got, drafts, case)
     helix.assert_serves_plain_tp(base, got, f"mtp {case}")
     first, after = got["mamba"]
@@ -204,3 +216,43 @@ def test_mtp_speculation_serves_plain_tps_tokens(qwen3_5_dirs, mtp_dirs, server_
     print(f"mtp {case}: verifies by accepted drafts {stats['hist']}, accept lengths "
           f"{[round(x, 2) for x in stats['lengths']]}; server start {got['started']:.0f} s, "
           f"all {got['seconds']:.0f} s (the draft knows {MTP_KNOWN_STEPS} tokens a prompt)")  # fmt: skip
+
+
+# DCP's GQA mode with the MTP draft (patch 0045): the MTP layer's attention in the target's layout
+# (Q and its gate over tp / KVP, K/V replicated in the KVP group, its KV sharded along the
+# sequence), the Gated DeltaNet states through the verify upstream's. Each layout against plain
+# --tp 4 with the same draft (the case above): plain TP's tokens and logprobs within the float32
+# bound, the same verifies accepting the same drafts, every pool back at start. The mode runs with
+# --disable-radix-cache (the CPU has no mamba extra buffer: test_helix_qwen3_5.py).
+MODE_CASES = {  # name: (the plain-TP case with the same draft, the mode's flags)
+    "dense-chain-dcp4": ("dense-chain", ["--dcp-size", "4", "--dcp-replicate-q-proj"]),
+    "dense-chain-kvp2": ("dense-chain", ["--helix-kvp-size", "2"]),
+    "dense-tree-kvp2": ("dense-tree", ["--helix-kvp-size", "2"]),
+    "dense-tree-kvp4": ("dense-tree", ["--helix-kvp-size", "4"]),
+    "dense-eagle-kvp2": ("dense-eagle", ["--helix-kvp-size", "2"]),
+    "moe-chain-kvp2": ("moe-chain", ["--helix-kvp-size", "2"]),
+    "moe-chain-kvp4": ("moe-chain", ["--helix-kvp-size", "4"]),
+}
+# The default run's: KVP 4 in DCP's spelling (TPA 1: each rank projects all 16 query heads and their
+# gates, keeps 4 after the exchange), the chain; the rest is the full tier.
+MODE_DEFAULT = {"dense-chain-dcp4"}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", [pytest.param(k, marks=() if k in MODE_DEFAULT else FULL) for k in MODE_CASES])
+def test_mtp_speculation_in_the_mode_serves_plain_tps_tokens(qwen3_5_dirs, mtp_dirs, server_log_dir, case):
+    plain_case, mode_flags = MODE_CASES[case]
+    model, flags, drafts = CASES[plain_case]
+    chunked = CHUNKED if model == "dense" else []
+    base = harness.serve(qwen3_5_dirs[model], 4, server_log_dir, chunked)
+    path = mtp_dirs(model)
+    args = [*flags, path] if flags[-1] == "--speculative-draft-model-path" else flags
+    plain = serve_spec_once(path, [*args, *chunked], server_log_dir)
+    got = serve_spec(path, [*args, *chunked, *mode_flags, "--disable-radix-cache"], server_log_dir)
+    helix.assert_serves_plain_tp(base, got, f"mtp {case}")
+    stats, plain_stats = accept_stats(got, drafts, case), accept_stats(plain, drafts, plain_case)
+    assert stats == plain_stats, f"{case}: accepted drafts {stats}, plain TP with the same draft {plain_stats}"
+    first, after = got["mamba"]
+    assert first and after == first, f"{case}: rank 0's mamba usage {after}, at start {first}"
+    print(f"mtp {case}: verifies by accepted drafts {stats['hist']} (plain TP's), server start "
+          f"{got['started']:.0f} s, all {got['seconds']:.0f} s")  # fmt: skip

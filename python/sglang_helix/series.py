@@ -544,6 +544,10 @@ PREFIX_TESTS = {
     "[CPU] Hybrid models: a verify's accepted linear-attention states are committed in torch": [
         "test/test_qwen3_5_cpu_paths.py", "-k", "verify",
     ],
+    "[DCP] Qwen3.5: its MTP draft in DCP's GQA mode": [
+        "test/test_helix_args.py", "test/test_qwen3_5_mtp.py", "-k",
+        "qwen3_5_mtp_draft_is_accepted or other_than_its_mtp_layer or (in_the_mode and dcp4)",
+    ],
     # (plain TP's reads: the mode's FP8 pools are tested at its own prefixes, test_helix_attention.py)
     "[CPU] FP8 KV cache without AMX: store FP8, dequantize what torch attention reads": [
         "test/test_helix_fp8_kv.py", "-m", "not e2e", "-k", "plain_tp",
@@ -555,7 +559,10 @@ PREFIX_TESTS = {
     "[CPU] Disaggregation: prefill/decode disaggregation on the CPU engine": [
         "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
     ],
-    _PD_RELAYOUT: ["test/test_helix_pd.py", "test/test_helix_args.py", "-m", "not e2e", "-k", "test_helix_pd or pd-"],
+    _PD_RELAYOUT: [
+        "test/test_helix_pd.py", "test/test_helix_args.py", "-m", "not e2e", "-k",
+        "test_helix_pd or pd- or qwen3_5_pd_decode",
+    ],
     "[DCP] Speculation: the verify's and each draft step's lists over DCP's layout, eager and in CUDA graphs": [
         "test/test_helix_decode_graph.py", "test/test_helix_attention.py", "-m", "not e2e", "-k",
         "draft_steps or speculative or tree_verify",
@@ -604,8 +611,8 @@ PRS = [
     (6, "[DCP] PD disaggregation into the GQA mode", "[DCP] PD: a GQA decode server", "[DCP] PD: a GQA decode server"),
     (7, "[DCP] GQA-mode decode performance (needs GPU numbers)",
      "[Kernel] Triton decode stage 2: optional head-split", "[DCP] GQA-mode decode: a split extent"),
-    (8, "[CPU] Speculation on hybrid models: the verify's state commit",
-     "[CPU] Hybrid models: a verify's accepted", "[CPU] Hybrid models: a verify's accepted"),
+    (8, "Qwen3.5's MTP draft: the verify's state commit on the CPU engine, the draft in the GQA mode",
+     "[CPU] Hybrid models: a verify's accepted", "[DCP] Qwen3.5: its MTP draft"),
 ]  # fmt: skip
 # The review budget (issue 60): the PRs that carry the mode's logic, together.
 PR_BUDGET = ((1, 2, 4, 5), 2100)

@@ -33,14 +33,15 @@ def mooncake_available() -> bool:
 class PDCluster:
     def __init__(
         self, model_path: str, prefill_args: list, decode_args: list, log_dir: str, page_size: int,
-        decode_env: dict | None = None, startup_timeout: float = 900.0,
+        decode_env: dict | None = None, startup_timeout: float = 900.0, prefill_env: dict | None = None,
     ):  # fmt: skip
         self.bootstrap_port = free_port()
         common = ["--disaggregation-transfer-backend", "mooncake", "--page-size", str(page_size)]
         self.prefill = CpuServer(
             model_path, [*prefill_args, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                          str(self.bootstrap_port), *common],
-            startup_timeout=startup_timeout, log_dir=log_dir, extra_env=MOONCAKE_ENV, health_path="/health",
+            startup_timeout=startup_timeout, log_dir=log_dir, extra_env={**MOONCAKE_ENV, **(prefill_env or {})},
+            health_path="/health",
         )  # fmt: skip
         self.decode = CpuServer(
             model_path, [*decode_args, "--disaggregation-mode", "decode", *common], startup_timeout=startup_timeout,
