@@ -1407,13 +1407,14 @@ def test_qwen3_5_decision_checkpoint_noncausal_is_refused_in_one_line(tmp_path, 
     )
 
 
-def test_qwen3_5_multimodal_checkpoint_is_accepted(tmp_path):
-    """The form Qwen publishes (``Qwen3_5ForConditionalGeneration``, here with a one-block vision
-    encoder) resolves into the mode: its language model is the text model's layers (served:
-    test_helix_qwen3_5.py)."""
-    from sglang_helix.testing.qwen3_5_models import write_qwen3_5_vl_model
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_qwen3_5_multimodal_checkpoint_is_accepted(tmp_path, model):
+    """The form Qwen publishes (``Qwen3_5ForConditionalGeneration`` and
+    ``Qwen3_5MoeForConditionalGeneration``, here with a one-block vision encoder) resolves into the
+    mode: its language model is the text model's layers (served: test_helix_qwen3_5.py)."""
+    from sglang_helix.testing.qwen3_5_models import DENSE, MOE, write_qwen3_5_vl_model
 
-    path = write_qwen3_5_vl_model(str(tmp_path / "vl"))
+    path = write_qwen3_5_vl_model(str(tmp_path / "vl"), {"dense": DENSE, "moe": MOE}[model])
     assert gqa_mode(
         view(
             resolve(

@@ -178,15 +178,18 @@ def test_block_fp8_serves_plain_tp(qwen3_5_dirs, server_log_dir, tmp_path_factor
 
 
 @FULL
-def test_multimodal_checkpoint_serves_plain_tp(server_log_dir, tmp_path_factory):
-    """The form Qwen publishes, ``Qwen3_5ForConditionalGeneration`` (the dense text model under
-    ``model.language_model`` beside a one-block vision encoder, ``write_qwen3_5_vl_model``): its
-    language model in the mode serves plain ``--tp 4``'s tokens for text requests (the vision
-    encoder runs plain TP over attn_tp, untouched by the mode; image requests are not served here).
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_multimodal_checkpoint_serves_plain_tp(server_log_dir, tmp_path_factory, model):
+    """The form Qwen publishes, ``Qwen3_5ForConditionalGeneration`` /
+    ``Qwen3_5MoeForConditionalGeneration`` (the text model under ``model.language_model`` beside a
+    one-block vision encoder, ``write_qwen3_5_vl_model``): its language model in the mode serves
+    plain ``--tp 4``'s tokens for text requests (the vision encoder runs plain TP over attn_tp,
+    untouched by the mode; image requests are not served here).
     """
-    from sglang_helix.testing.qwen3_5_models import write_qwen3_5_vl_model
+    from sglang_helix.testing.qwen3_5_models import DENSE, MOE, write_qwen3_5_vl_model
 
-    path = write_qwen3_5_vl_model(str(tmp_path_factory.mktemp("qwen3_5") / "vl"))
+    spec = {"dense": DENSE, "moe": MOE}[model]
+    path = write_qwen3_5_vl_model(str(tmp_path_factory.mktemp("qwen3_5") / f"vl-{model}"), spec)
     base = serve_checked(path, NO_RADIX, server_log_dir)
     got = serve_checked(path, ["--helix-kvp-size", "2", *NO_RADIX], server_log_dir)
-    assert_serves_plain_tp(base, got, "multimodal kvp2")
+    assert_serves_plain_tp(base, got, f"multimodal {model} kvp2")
