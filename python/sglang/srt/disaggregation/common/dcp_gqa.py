@@ -135,13 +135,19 @@ def unpack_part_major(
         flat.index_copy_(0, idx, got.transpose(1, 2).reshape(pages.size, size))
 
 
-def state_slices_overlap(src_rank: int, src_tp: int, dst_rank: int, dst_tp: int) -> bool:
+def state_slices_overlap(
+    src_rank: int, src_tp: int, dst_rank: int, dst_tp: int
+) -> bool:
     """Whether prefill attn-TP rank ``src_rank`` of ``src_tp`` holds any linear-attention (mamba)
     state heads of decode rank ``dst_rank`` of ``dst_tp``: the ranks' equal shares of the heads
     intersect. Upstream's rank mapping pairs only such ranks; in DCP's GQA mode a decode rank reads
     the prefill ranks of its DCP group's KV head slice (TPA = tp / dcp wide), while its states are
-    sliced over all tp ranks, so a pair may share none: that prefill rank sends it no state."""
-    return src_rank * dst_tp < (dst_rank + 1) * src_tp and dst_rank * src_tp < (src_rank + 1) * dst_tp
+    sliced over all tp ranks, so a pair may share none: that prefill rank sends it no state.
+    """
+    return (
+        src_rank * dst_tp < (dst_rank + 1) * src_tp
+        and dst_rank * src_tp < (src_rank + 1) * dst_tp
+    )
 
 
 def layout_mismatch(
