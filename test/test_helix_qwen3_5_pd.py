@@ -18,8 +18,11 @@ Both servers run ``--disable-radix-cache``: on the CPU a Qwen3.5 prefill server 
 lacks (0.5.23 asserts ``no_buffer only supports page_size=1`` with a traceback otherwise:
 ``docs/disaggregation.md``), and the mode refuses a linear-attention radix cache without it.
 
-Default run: the dense model, prefill ``--tp 2`` into KVP 2. ``HELIX_TEST_FULL=1`` adds prefill
-``--tp 1`` (each decode rank a head slice of the one prefill rank's KV, and its states sliced for
+Every case is in the full tier (``HELIX_TEST_FULL=1``; the default run's PD pair is Llama's,
+``test_helix_pd_e2e.py``, and the state guard is a default-tier unit test,
+``test_helix_pd.py::test_linear_attention_states_come_once_from_the_ranks_holding_them``): the
+dense model, prefill ``--tp 2`` into KVP 2 (131 s in the 2026-12-07 CI run, when it was the default
+run's), prefill ``--tp 1`` (each decode rank a head slice of the one prefill rank's KV, and its states sliced for
 --tp 4), KVP 4, the MoE model, and the prefill server killed mid-transfer (the request fails with
 an error, the decode's pools back at start).
 """
@@ -43,7 +46,7 @@ COMMON = [*harness.SERVER_ARGS, "--disable-radix-cache"]
 # Each model's plain --tp 4 baseline as test_qwen3_5_harness serves it (one server per session).
 BASELINE = {"dense": ["--chunked-prefill-size", "96"], "moe": []}
 CASES = [  # (model, prefill tp, decode kvp, default run)
-    ("dense", 2, 2, True), ("dense", 1, 2, False), ("dense", 2, 4, False), ("moe", 2, 2, False),
+    ("dense", 2, 2, False), ("dense", 1, 2, False), ("dense", 2, 4, False), ("moe", 2, 2, False),
     ("moe", 1, 2, False),
 ]  # fmt: skip
 
