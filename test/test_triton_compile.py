@@ -73,32 +73,50 @@ def test_a_compile_without_resource_figures_is_a_problem():
         assert len(bad) == 1 and bad[0].startswith("no resource figures") and absent in bad[0], bad
 
 
-@pytest.mark.parametrize("reproduces", [False, True])
-def test_a_decode_spill_must_reproduce(tmp_path, monkeypatch, reproduces):
-    """A decode-stage spill is recompiled once in a fresh Triton cache: one that does not come back
-    is recorded beside the clean result and is not a problem (ptxas reported two such on
-    2026-12-06); one that does is."""
+@pytest.mark.parametrize("clean_on_try", [2, 3, None])
+def test_a_decode_spill_must_come_back_in_fresh_processes(monkeypatch, clean_on_try):
+    """A decode-stage spill is compiled again, each time in a fresh worker process, up to three
+    compiles: one that a retry compiles clean is recorded beside the clean result and is not a
+    problem (ptxas reported such 4-12 B spills of upstream's stage 1 at sm_100 in three full runs);
+    one that every try reports is."""
+    spec = next(s for s in ts.load_fixture() if s["kernel"].endswith(":_fwd_grouped_kernel_stage1"))
+    other = next(s for s in ts.load_fixture() if s["kernel"].endswith(":_fwd_kernel"))
+    tries = []
+
+    def result(spill):
+        return {"ok": True, "shared": 0, "regs": 168, "spill_stores": spill, "spill_loads": spill, "cached": False}
+
+    def run_workers(items, procs):
+        tries.append(items)
+        return [result(0 if len(tries) + 1 == clean_on_try else 4) for _ in items]
+
+    monkeypatch.setattr(ts, "_run_workers", run_workers)
+    first = [result(4), result(0), result(200)]  # a decode spill, a clean one, an extend kernel's spill
+    items = [[spec, "sm100", None, True], [spec, "sm90", None, True], [other, "sm90", "upstream", True]]
+    results = ts._retry_decode_spills(items, first)
+    assert all(t == [items[0]] for t in tries)  # only the decode spill, one item a fresh process
+    assert results[1:] == first[1:]
+    bad = ts.problems([(spec, "sm100", None, results[0])])
+    if clean_on_try is None:
+        assert len(tries) == 2 and len(bad) == 1 and bad[0].startswith("spill (4 B stores"), bad
+    else:
+        assert len(tries) == clean_on_try - 1 and bad == [], bad
+        assert results[0]["unreproduced_spill"] == [[4, 4]] * (clean_on_try - 1) and results[0]["spill_stores"] == 0
+
+
+def test_a_cached_decode_spill_is_compiled_again(tmp_path, monkeypatch):
+    """The compile cache never answers with a decode spill (an entry left by an older run): the
+    specialization is compiled again."""
     import json
 
     spec = next(s for s in ts.load_fixture() if s["kernel"].endswith(":_fwd_grouped_kernel_stage1"))
-    calls = []
-
-    def compile_one(spec, target, variant=None, use_cache=True):
-        calls.append(os.environ["TRITON_CACHE_DIR"])
-        spill = 12 if reproduces or len(calls) == 1 else 0
-        return {"ok": True, "shared": 0, "regs": 168, "spill_stores": spill, "spill_loads": spill, "cached": False}
-
-    monkeypatch.setattr(ts, "compile_one", compile_one)
-    monkeypatch.setattr(ts, "cache_entry", lambda *a: tmp_path / "entry.json")
-    (tmp_path / "in.json").write_text(json.dumps([[spec, "sm100", None, True]]))
-    ts._worker(str(tmp_path / "in.json"), str(tmp_path / "out.json"))
-    [r] = json.loads((tmp_path / "out.json").read_text())
-    assert len(calls) == 2 and calls[0] != calls[1]  # recompiled, in a fresh Triton cache
-    bad = ts.problems([(spec, "sm100", None, r)])
-    if reproduces:
-        assert len(bad) == 1 and bad[0].startswith("spill (12 B stores"), bad
-    else:
-        assert bad == [] and r["unreproduced_spill"] == [12, 12] and r["spill_stores"] == 0
+    entry = tmp_path / "entry.json"
+    monkeypatch.setattr(ts, "cache_entry", lambda *a: entry)
+    monkeypatch.setattr(ts, "_compile_inputs", lambda *a: (_ for _ in ()).throw(ts.NotApplicable("compiled")))
+    entry.write_text(json.dumps({"ok": True, "shared": 0, "regs": 175, "spill_stores": 0, "spill_loads": 0}))
+    assert ts.compile_one(spec, "sm100")["cached"] is True
+    entry.write_text(json.dumps({"ok": True, "shared": 0, "regs": 168, "spill_stores": 4, "spill_loads": 4}))
+    assert ts.compile_one(spec, "sm100") == {"ok": True, "skipped": "compiled", "cached": False}
 
 
 @pytest.mark.skipif(not FULL_SERIES, reason="the check runs against the installed, fully patched tree only")
