@@ -77,8 +77,8 @@ def test_dcp_draft_kv_heads_match_the_pool(draft, replicate, monkeypatch):
     """A model's KV heads per rank (``K // kv_tp_size``, as its attention sizes them from
     ``dcp_kv_partition``) equal what its KV pool stores (``ModelConfig.get_num_kv_heads``). A
     speculative draft (built in ``draft_model_build_scope``) does not join the DCP group, so its
-    pool keeps ``K / tp`` heads and so must its attention (patch "[DCP] A speculative draft keeps
-    K/tp KV heads"); with replicated Q a draft runs on its target's layout."""
+    pool keeps ``K / tp`` heads and so must its attention (patch "[DCP] Speculation with Q gathered:
+    a draft keeps K/tp KV heads"); with replicated Q a draft runs on its target's layout."""
     import sglang.srt.runtime_context as runtime_context
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers import linear

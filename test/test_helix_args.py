@@ -1240,6 +1240,58 @@ def test_the_speculative_step_checks_the_mode(model):
     )  # fmt: skip
 
 
+# Plain DCP (Q gathered) with speculation (issue 79): 0.5.23 accepted it on a GQA model and every
+# rank stopped at its first speculative forward (triton: its DCP extend refuses the verify's custom
+# mask; torch_native: its DCP forward refuses a verify, a draft extend and a draft step). Refused at
+# launch in one line, in the attention-backend step; MLA models keep upstream's acceptance, and the
+# GQA mode runs speculation (accepted in both spellings).
+def _plain_dcp_speculation_refusal(backend: str, alg: str) -> str:
+    return (
+        f"--dcp-size 2 runs no speculative decoding on the {backend} attention backend with Q gathered "
+        f"over the DCP group (--attention-backend {backend}, --speculative-algorithm {alg}). "
+        "Drop --speculative-algorithm."
+    )
+
+
+@pytest.mark.parametrize(
+    "backend,size_flag,alg",
+    [(b, f, "STANDALONE") for b in ("triton", "torch_native") for f in ("--dcp-size", "--decode-context-parallel-size")]
+    + [(b, "--dcp-size", "EAGLE") for b in ("triton", "torch_native")],
+)
+def test_plain_dcp_speculation_is_refused_at_launch(model, backend, size_flag, alg):
+    """``--tp 4 --dcp-size 2`` (Q gathered, no --dcp-replicate-q-proj) with a draft, on both backends,
+    both spellings of the DCP size, a STANDALONE and an EAGLE draft: one line naming the flags."""
+    spec = _spec(model())
+    spec[1] = alg
+    message = helix_error(model(), ["--tp", "4", size_flag, "2", "--attention-backend", backend, *spec])
+    assert message == _plain_dcp_speculation_refusal(backend, alg)
+
+
+def test_plain_dcp_speculation_on_an_mla_model_resolves_as_upstream(tmp_path):
+    """An MLA model keeps 0.5.23's resolution under --dcp-size with speculation on triton (resolution
+    only: a DeepSeek-V3 config, no weights)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+    )  # fmt: skip
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    args = ["--tp", "2", "--dcp-size", "2", "--attention-backend", "triton", "--speculative-algorithm", "NGRAM"]
+    cfg = view(resolve(str(tmp_path), args))
+    assert (cfg.dcp_size, cfg.speculative_algorithm, cfg.attention_backend) == (2, "NGRAM", "triton")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+def test_speculative_draft_in_the_gqa_mode_is_accepted_in_dcps_spelling(model, backend):
+    """The GQA mode with a draft stays accepted: DCP's spelling (``--dcp-size 2 --dcp-replicate-q-proj``)
+    here, the Helix spelling in the tests above (``test_standalone_chain_on_*_is_accepted``)."""
+    cfg = view(resolve(model(), ["--tp", "4", *GQA_MODE, "--attention-backend", backend, *_spec(model())]))
+    assert gqa_mode(cfg) and (cfg.speculative_algorithm, cfg.attention_backend) == ("STANDALONE", backend)
+
+
 def test_the_helix_spelling_on_an_mla_model_is_refused(tmp_path):
     """``--helix-kvp-size`` is DCP's GQA mode; on an MLA model replicated Q is upstream DCP's own, so
     the Helix spelling is refused there naming that spelling, not with a message about the interleave

@@ -342,6 +342,118 @@ def test_torch_native_dcp_refuses_speculation_with_q_gathered():
     ranks.run(fn)
 
 
+def test_plain_dcp_speculative_lists_are_upstreams():
+    """Plain DCP (Q gathered: ``--dcp-size`` alone, interleave 1) on Triton keeps 0.5.23's speculative
+    paths (issue 79), each compared with 0.5.23's own method (the pinned wheel's, called unbound on the
+    same backend): a tree verify lists every key of each sequence and keeps the whole FULL_MASK, eager
+    and in the verify graph's buffers, and its extend still refuses the mask by name (the server args
+    refuse this layout at launch); a graph-captured draft extend lists the whole prefix; each draft
+    step lists the whole prefix and its branch (upstream's kernel), and a replay sizes the steps'
+    splits from the full lengths. The GQA mode's lists are DCP's (the tests above)."""
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang_helix.testing.pristine import pristine_module
+
+    upstream = pristine_module("sglang/srt/layers/attention/triton_backend.py")
+    shape = Shape(**{**SHAPE.__dict__, "chunk": 1})
+    n, topk, steps = 4, 2, 3
+    ranks = Ranks(shape, "triton", spec=Spec(num_steps=steps, topk=topk, num_draft_tokens=n), replicated_q=False)
+    for r in range(shape.kvp):  # upstream's lists read the table through the runner's translator
+        translator = KVIndexTranslator(
+            req_to_token=ranks.req_to_token, token_to_kv_pool_allocator=SimpleNamespace(page_size=shape.page),
+            token_to_kv_pool=ranks.pools[r], page_size=shape.chunk, device="cpu",
+        )  # fmt: skip
+        for backend in (ranks.backends[r], ranks.draft_backends[r], *ranks.draft_backends[r].attn_backends):
+            backend.kv_index_translator = translator
+    slots, seq_lens = [0, 1], [7, 5]
+    masks = [torch.rand(n, c + n, generator=torch.Generator().manual_seed(c)) < 0.5 for c in seq_lens]
+    spec_info = SimpleNamespace(
+        draft_token_num=n, num_tokens_per_req=n, tree_topk=topk, kv_indptr=None, kv_indices=None,
+        custom_mask=torch.cat([m.reshape(-1) for m in masks]), window_kv_indices=None,
+    )  # fmt: skip
+    writes = [(s, c + j) for s, c in zip(slots, seq_lens) for j in range(n)]
+    verify = _batch(ranks, ForwardMode.TARGET_VERIFY, slots, seq_lens, [p for _, p in writes], writes, spec_info=spec_info)
+    every_key = torch.cat([ranks.req_to_token[s, :c] for s, c in zip(slots, seq_lens)]).long()
+    req_pool_indices, lens = torch.tensor(slots), torch.tensor(seq_lens)
+
+    def lists(indptr, indices, bs):
+        return [indices[indptr[b] : indptr[b + 1]].tolist() for b in range(bs)]
+
+    def target(rank):
+        backend = ranks.backends[rank]
+        assert backend.dcp_size == shape.kvp and not backend.dcp_gqa_mode
+        # the eager verify: every key, the whole mask
+        seen = []
+        for init in (upstream.TritonAttnBackend.init_forward_metadata, type(backend).init_forward_metadata):
+            init(backend, verify)
+            m = backend.forward_metadata
+            seen.append((lists(m.kv_indptr, m.kv_indices, 2), m.custom_mask, m.mask_indptr.tolist()))
+        assert seen[1][0] == seen[0][0] == lists([0, 7, 12], every_key, 2)
+        assert seen[1][1] is seen[0][1] is spec_info.custom_mask and seen[1][2] == seen[0][2]
+        L = layer(shape)
+        L.tp_q_head_num = shape.heads // shape.kvp  # Q/tp, gathered by the extend
+        q = torch.zeros(len(writes), L.tp_q_head_num * shape.head_dim)
+        kv = torch.zeros(len(writes), shape.kv_heads * shape.head_dim)
+        with pytest.raises(NotImplementedError, match="^DCP Triton extend does not support custom masks$"):
+            self_attn(backend, L, q, kv, kv.clone(), verify)
+        # the verify graph and the draft extend graph: upstream's buffers
+        backend.init_cuda_graph_state(4, 4 * n)
+        graph = []
+        for update in (upstream.TritonAttnBackend._update_target_verify_buffers, type(backend)._update_target_verify_buffers):
+            qo_indptr, kv_indptr, custom_mask, mask_indptr = update(backend, None, 2, lens, spec_info, req_pool_indices)[:4]
+            total = int(mask_indptr[-1])
+            graph.append((lists(kv_indptr, backend.cuda_graph_kv_indices, 2), custom_mask[:total].clone(), mask_indptr.tolist()))
+        assert graph[1][0] == graph[0][0] == lists([0, 7, 12], every_key, 2)
+        assert torch.equal(graph[1][1], graph[0][1]) and torch.equal(graph[1][1], spec_info.custom_mask)
+        assert graph[1][2] == graph[0][2]
+        extend_info = SimpleNamespace(extend_seq_lens_tensor=torch.tensor([n, n]))
+        extend = []
+        for update in (upstream.TritonAttnBackend._update_draft_extend_buffers, type(backend)._update_draft_extend_buffers):
+            update(backend, None, 2, lens + n, ForwardMode.DRAFT_EXTEND_V2, extend_info, req_pool_indices)
+            extend.append(lists(backend.kv_indptr, backend.cuda_graph_kv_indices, 2))
+        assert extend[1] == extend[0] == lists([0, 7, 12], every_key, 2)
+
+    ranks.run(target)
+
+    # the draft's decode steps: step i of branch t of request b, its prefix and its branch's drafts
+    # (one-token pages: at seq_len + t * steps)
+    tokens = [(s, c, t) for s, c in zip(slots, seq_lens) for t in range(topk)]
+    draft = _batch(
+        ranks, ForwardMode.DECODE, slots, seq_lens, [c for _, c, _ in tokens], [(s, c + t * steps) for s, c, t in tokens],
+        spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None, window_kv_indices=None, custom_mask=None),
+    )  # fmt: skip
+    draft.out_cache_loc = torch.stack([ranks.req_to_token[s, c + t * steps + i] for s, c, t in tokens for i in range(steps)]).long()
+    want = [
+        [torch.cat([ranks.req_to_token[s, :c], ranks.req_to_token[s, c + t * steps : c + t * steps + i + 1]]).tolist() for s, c, t in tokens]
+        for i in range(steps - 1)
+    ]
+
+    def draft_steps(rank):
+        backend = ranks.draft_backends[rank]
+        backend.init_forward_metadata(draft)
+        got = [lists(b.forward_metadata.kv_indptr, b.forward_metadata.kv_indices, len(tokens)) for b in backend.attn_backends[: steps - 1]]
+        recorded = []
+        buffer = torch.zeros(steps, 4 * shape.max_len, dtype=torch.int64)
+
+        def record(i, batch):
+            recorded.append(lists(batch.spec_info.kv_indptr, batch.spec_info.kv_indices, len(tokens)))
+
+        upstream.TritonMultiStepDraftBackend.common_template(backend, draft, buffer, record)
+        assert got == recorded == want
+        # a replay's split counts: from the full lengths, as 0.5.23's
+        backend.init_cuda_graph_state(4, 4 * topk)
+        last, split_lens = backend.attn_backends[-1], []
+        real = last.get_num_kv_splits
+        last.get_num_kv_splits = lambda out, lens, *a: (split_lens.append(lens.tolist()), real(out, lens, *a))
+        try:
+            for out_graph in (upstream.TritonMultiStepDraftBackend.init_forward_metadata_out_graph, type(backend).init_forward_metadata_out_graph):
+                out_graph(backend, draft)
+        finally:
+            del last.get_num_kv_splits
+        assert split_lens == [seq_lens, seq_lens], split_lens
+
+    ranks.run(draft_steps)
+
+
 class _TorchCalls(TorchFunctionMode):
     """Counts the torch calls (functions and Tensor methods) made under it."""
 

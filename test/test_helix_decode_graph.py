@@ -644,3 +644,65 @@ def test_dcp_store_owns_by_slot_at_the_interleave(interleave):
         assert int((~keys.isnan().any(-1).any(-1)).sum()) == owned, f"rank {rank} stored other ranks' tokens"
 
     ranks.run(store)
+
+
+# Plain DCP (Q gathered: ``--dcp-size`` alone, interleave 1) keeps 0.5.23's code (issue 79): each test
+# calls 0.5.23's own method (the pinned wheel's, unbound, on the same backend) and the series'.
+PLAIN_DCP = Shape(**{**SHAPE.__dict__, "chunk": 1})
+
+
+def _pristine_triton():
+    from sglang_helix.testing.pristine import pristine_module
+
+    return pristine_module("sglang/srt/layers/attention/triton_backend.py").TritonAttnBackend
+
+
+def test_plain_dcp_store_owns_by_position_as_upstream():
+    """``_set_kv_buffer`` under plain DCP stores what 0.5.23's does, in every rank's pool: the token
+    whose position this rank owns (``positions % dcp``) at row ``out_cache_loc // dcp``. The batch's
+    positions are not its slots' residues, so the GQA mode's rule (by slot, above) would store the
+    other rank's tokens."""
+    pristine = _pristine_triton()
+    ranks = Ranks(PLAIN_DCP, "triton", replicated_q=False)
+    slots = torch.arange(8, 20, dtype=torch.int64)
+    positions = slots + 1  # each token's owner by position is not its owner by slot
+    k = torch.randn(slots.shape[0], SHAPE.kv_heads, SHAPE.head_dim)
+    v = torch.randn(slots.shape[0], SHAPE.kv_heads, SHAPE.head_dim)
+    batch = SimpleNamespace(out_cache_loc=slots, positions=positions, out_cache_loc_is_physical=False, dcp_kv_mask=None)
+
+    def store(rank):
+        backend, pool = ranks.backends[rank], ranks.pools[rank]
+        assert backend.dcp_size == PLAIN_DCP.kvp and not backend.dcp_gqa_mode
+        stored = []
+        for set_kv_buffer in (pristine._set_kv_buffer, type(backend)._set_kv_buffer):
+            pool.get_key_buffer(0).fill_(float("nan")), pool.get_value_buffer(0).fill_(float("nan"))
+            set_kv_buffer(backend, batch, layer(PLAIN_DCP), None, k, v)
+            stored.append((pool.get_key_buffer(0).clone(), pool.get_value_buffer(0).clone()))
+        for want, got in zip(*stored):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        keys = stored[1][0]
+        mine = [t for t, p in enumerate(positions.tolist()) if p % PLAIN_DCP.kvp == rank]
+        for t in mine:
+            assert torch.equal(keys[slots[t] // PLAIN_DCP.kvp], k[t]), f"rank {rank}: token {t}"
+        assert int((~keys.isnan().any(-1).any(-1)).sum()) == len(mine), f"rank {rank} stored other ranks' tokens"
+
+    ranks.run(store)
+
+
+def test_plain_dcp_graph_kv_index_buffer_is_upstreams():
+    """Plain DCP's graph KV index buffer is 0.5.23's, a whole context per token (its target verify
+    and draft extend graphs list every key, as upstream's); the GQA mode's holds 1/KVP of it
+    (``test_decode_capture_replay_equals_eager_and_plain_tp``)."""
+    pristine = _pristine_triton()
+    ranks = Ranks(PLAIN_DCP, "triton", replicated_q=False)
+    max_bs, max_num_tokens = 4, 8
+
+    def sizes(rank):
+        backend, out = ranks.backends[rank], []
+        for init_cuda_graph_state in (pristine.init_cuda_graph_state, type(backend).init_cuda_graph_state):
+            init_cuda_graph_state(backend, max_bs, max_num_tokens)
+            out.append(backend.cuda_graph_kv_indices.numel())
+        return out
+
+    for rank, (want, got) in enumerate(ranks.run(sizes)):
+        assert got == want == max_num_tokens * ranks.backends[rank].max_context_len, (rank, got, want)

@@ -2,7 +2,8 @@
 ``--tp N --helix-kvp-size KVP`` decode server's shards (upstream's PD DCP code, ``dcp_gqa``).
 
 Unit tests (no server): the transfer plan with an interleave (against a brute force and, at
-interleave 1, upstream's own formula), the rank mapping (upstream's ``_resolve_rank_mapping`` in
+interleave 1, upstream's own formula, and 0.5.23's own function from the pinned wheel over page-aligned
+and unaligned decode prefixes: an MLA decode's plan), the rank mapping (upstream's ``_resolve_rank_mapping`` in
 the mode: every head of a decode rank's slice read from the prefill ranks holding it, per
 ``compute_head_slice_params``; every prefill rank waits for exactly the decode ranks that read it),
 and whole simulated transfers -- P prefill pools, N decode pools in byte arrays, each chunk sent by
@@ -76,6 +77,43 @@ def test_plan_places_each_token_on_its_owner_row(S, D, interleave):
                 up_src, up_dst = _upstream_target_rows(src_pages, dst_pages, S, D, rank, src_page_offset, decode_prefix_len, n)
                 assert plan.target_src_token_indices.tolist() == up_src.tolist()
                 assert plan.target_dst_token_indices.tolist() == up_dst.tolist()
+
+
+def test_plan_at_interleave_1_is_0_5_23s_for_every_prefix():
+    """An MLA decode (and any decode outside the GQA mode) registers interleave 1, where the plan is
+    0.5.23's: the pinned wheel's own ``build_dcp_token_transfer_plan`` gives the same four arrays
+    (values and dtype) over sampled decode prefixes, whole virtual pages and not (0.5.23 refuses a
+    prefix that is not whole virtual pages with a ValueError; so does the series, in the same
+    words), chunk offsets, partial last pages, empty chunks and DCP sizes that are not powers of two."""
+    from sglang_helix.testing.pristine import pristine_module
+
+    upstream = pristine_module("sglang/srt/disaggregation/common/utils.py").build_dcp_token_transfer_plan
+    fields = ("target_src_token_indices", "target_dst_token_indices", "draft_src_token_indices", "draft_dst_token_indices")
+    rng = np.random.default_rng(79)
+    sampled = {"aligned": 0, "unaligned": 0}
+    for _ in range(600):
+        S, D = int(rng.choice([1, 2, 4, 16])), int(rng.choice([2, 3, 4, 8]))
+        virtual, n_pages = S * D, int(rng.integers(0, 6))
+        src_pages = rng.permutation(64)[:n_pages].astype(np.int32)
+        src_page_offset = int(rng.integers(0, 4))
+        decode_prefix_len = int(rng.integers(0, 4)) * virtual + int(rng.integers(0, virtual) if rng.random() < 0.5 else 0)
+        n = None if rng.random() < 0.25 else int(rng.integers(0, n_pages * S + 1))
+        dst_pages = rng.permutation(64)[: (src_page_offset + n_pages) * S // virtual + 2].astype(np.int32)
+        kwargs = dict(physical_page_size=S, dcp_size=D, dcp_rank=int(rng.integers(0, D)), src_page_offset=src_page_offset,
+                      decode_prefix_len=decode_prefix_len, num_kv_tokens=n)  # fmt: skip
+        sampled["aligned" if decode_prefix_len % virtual == 0 else "unaligned"] += 1
+        try:
+            want = upstream(src_pages, dst_pages, **kwargs)
+        except ValueError as e:
+            with pytest.raises(ValueError) as info:
+                build_dcp_token_transfer_plan(src_pages, dst_pages, **kwargs, interleave_size=1)
+            assert str(info.value) == str(e), kwargs
+            continue
+        got = build_dcp_token_transfer_plan(src_pages, dst_pages, **kwargs, interleave_size=1)
+        for field in fields:
+            a, b = getattr(got, field), getattr(want, field)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (field, kwargs, a, b)
+    assert min(sampled.values()) > 200, sampled
 
 
 LAYOUTS = [  # (prefill P, decode N, KVP, K)

@@ -453,7 +453,8 @@ PREFIX_TESTS = {
     ],
     "[torch_native] Speculative draft decode and target verify": [
         # (a server needs the CPU PR on this machine: served at the QLEN_ONLY patch's prefix)
-        "test/test_helix_attention.py", "-k", "plain_torch_native_speculative",
+        "test/test_helix_attention.py", "test/test_helix_args.py", "-k",
+        "plain_torch_native_speculative or plain_dcp_speculation",
     ],
     "[Distributed] Do not create a PyNccl communicator for gloo groups": ["test/test_helix_groups.py"],
     "[Kernel] Triton decode stage 2: optional merged-LSE output": [
@@ -482,8 +483,10 @@ PREFIX_TESTS = {
         # (its servers, dcp2-rq-a2a / -triton, run at the Llama opt-in: no model serves the mode before)
         "test/test_dcp_gqa.py", "-k", "q_partition",
     ],
-    "[DCP] A speculative draft keeps K/tp KV heads: it does not join the DCP group": [
-        "test/test_dcp_gqa.py", "-k", "draft_kv_heads_match_the_pool and not replicated-draft",  # (that one: the Helix draft patch's)
+    "[DCP] Speculation with Q gathered: a draft keeps K/tp KV heads; triton refuses it at launch": [
+        "test/test_dcp_gqa.py", "test/test_helix_args.py", "-k",
+        "(draft_kv_heads_match_the_pool and not replicated-draft)"  # (that one: the Helix draft patch's)
+        " or (plain_dcp_speculation and not torch_native)",  # (torch_native's: its speculation patch's)
     ],
     "[DCP] The fused rope + KV write is off under DCP on every platform": [
         "test/test_dcp_gqa.py", "-k", "fused_kv_write",
@@ -499,7 +502,7 @@ PREFIX_TESTS = {
     ],
     "[DCP] Server args: the GQA mode, its interleave and what it runs with": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
-        "interleave_size_below_one or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream",
+        "interleave_size_below_one or interleave_needs_the_gqa_mode or plain_dcp_stays_upstream or plain_dcp_speculation",
     ],
     "[Helix] Server args: --helix-kvp-size spells DCP's GQA mode": [
         "test/test_helix_args.py", "-m", "not e2e", "-k",
@@ -515,7 +518,8 @@ PREFIX_TESTS = {
     "[DCP] KV cache: move_kv_cache moves a logical id's K/V to its target's owner": ["test/test_helix_kv_move.py"],
     "[DCP] Triton, torch_native: this rank's lists and K/V store at --dcp-interleave-size": [
         "test/test_helix_kv_layout.py", "test/test_helix_import.py", "test/test_helix_decode_graph.py",
-        "test/test_helix_attention.py", "-k", "prefill_and_decode or store_owns or list_kernel or decode_capture",
+        "test/test_helix_attention.py", "-k",
+        "prefill_and_decode or store_owns or list_kernel or decode_capture or plain_dcp_graph",
     ],
     "[DCP] Llama, Mistral: opt in to DCP's GQA mode": [
         # (+ full tier: upstream's spelling, --dcp-replicate-q-proj with the exchange named, served)

@@ -106,11 +106,14 @@ class Exchange:
         return Group()
 
 
-def _bags(shape: Shape, spec) -> dict:
+def _bags(shape: Shape, spec, backend: str) -> dict:
     steps = spec.num_steps if spec else None
     return {
         "exec": SimpleNamespace(
             kernel=SimpleNamespace(
+                attention_backend=backend,  # (read where upstream picks a verify mask's layout)
+                prefill_attention_backend=None,
+                decode_attention_backend=None,
                 enable_lean_attention=False,
                 triton_attention_num_kv_splits=shape.max_kv_splits,
                 triton_attention_split_tile_size=None,
@@ -187,7 +190,7 @@ class Ranks:
 
         self.shape, self.backend_name, self.spec = shape, backend, spec
         self.req_to_token = paged_table(shape)
-        self.bags = _bags(shape, spec)
+        self.bags = _bags(shape, spec, backend)
         self.solo_rank = solo_rank  # run only this rank (Exchange's solo)
         self.exchange = Exchange(shape.kvp, self._install, solo=solo_rank is not None)
         self.parallels = [
