@@ -376,3 +376,83 @@ def test_layout_check_refuses_a_cpu_prefill_that_padded_its_heads():
     assert why is not None and "--tp 4" in why and "divides the model's KV heads" in why
     assert dcp_gqa.layout_mismatch([head * S] * 4, [head * S] * 4, S, 4, 4, 2, replicated_heads=True) is None
     assert "KV buffers" in dcp_gqa.layout_mismatch([head * S] * 4, [head * S] * 2, S, 2, 4, 2, replicated_heads=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain PD outside the mode keeps 0.5.23's code (issue 79): the registration, the pack buffers
+# (the prefill's index path: test_cpu_pd_paths.py). References: the pinned wheel's own functions.
+# ----------------------------------------------------------------------------------------------
+def _registering_decode(interleave: int):
+    """A Mooncake decode manager as ``build_receiver_registration_message`` reads it."""
+    kv_args = SimpleNamespace(
+        kv_data_ptrs=[4096, 8192], aux_data_ptrs=[512], state_data_ptrs=[[1024]], state_item_lens=[[64]],
+        state_dim_per_tensor=[], state_layer_ids=[[0]], kv_layer_ids=[0, 1], engine_rank=3,
+        kv_item_lens=[2048, 2048], gpu_id=0,
+    )
+    return SimpleNamespace(
+        get_session_id=lambda: "127.0.0.1:7000", kv_args=kv_args, attn_tp_size=2, dcp_size=2,
+        dcp_rank=1, enable_staging=False, local_ip="127.0.0.1", rank_port=7001, kv_buffer_tensors=None,
+        _staging_ctx=SimpleNamespace(allocator=None),
+    )
+
+
+@pytest.mark.parametrize("interleave", [1, 4])
+def test_only_a_decode_in_the_mode_registers_its_interleave(monkeypatch, interleave):
+    """A decode outside the mode (interleave 1) sends 0.5.23's registration fields, exactly; one in
+    the mode adds its interleave at the end, which the prefill reads back (absent: 1)."""
+    from sglang.srt.disaggregation.mooncake import conn
+    from sglang_helix.testing.pristine import pristine_module
+
+    upstream = pristine_module("sglang/srt/disaggregation/mooncake/conn.py")
+    parallel = SimpleNamespace(dcp_interleave_size=interleave, enable_kv_cache_sharding=False)
+    monkeypatch.setattr(conn, "get_parallel", lambda: parallel)
+    monkeypatch.setattr(upstream, "get_parallel", lambda: parallel)
+    decode = _registering_decode(interleave)
+    ours = conn.MooncakeKVManager.build_receiver_registration_message(decode)
+    theirs = upstream.MooncakeKVManager.build_receiver_registration_message(decode)
+    if interleave == 1:
+        assert ours == theirs
+    else:
+        assert ours[:-1] == theirs and ours[-1] == b"4"
+    for msg, want in ((ours, interleave), (theirs, 1)):
+        assert conn.KVArgsRegisterInfo.from_zmq(msg).dst_dcp_interleave_size == want
+
+
+@pytest.mark.parametrize("mla", [True, False])
+def test_a_gqa_prefill_allocates_no_pack_buffers(monkeypatch, mla):
+    """When a DCP decode registers, an MLA prefill allocates 0.5.23's pack buffers (outside its
+    pool, as 0.5.23 does); a GQA prefill (a decode in the mode) allocates none, so a plain GQA
+    prefill server at its memory limit takes nothing its pool sizing did not count: its send goes
+    from the pool, a block per run of rows (``pack_buffer`` None, as on the CPU engine)."""
+    from sglang.srt.disaggregation.common import conn, dcp_pack
+    from sglang_helix.testing.pristine import pristine_module
+
+    allocated = []
+
+    def init_dcp_pack_buffers(register_fn, kv_args, count, dcp_size, max_tokens, **kw):
+        allocated.append((count, dcp_size))
+        return ["buffer"] * count
+
+    monkeypatch.setattr(dcp_pack, "init_dcp_pack_buffers", init_dcp_pack_buffers)
+    monkeypatch.setattr(conn, "max_prefill_buffer_tokens", lambda: 8192)
+    upstream = pristine_module("sglang/srt/disaggregation/common/conn.py")
+    monkeypatch.setattr(upstream, "max_prefill_buffer_tokens", lambda: 8192)
+    for module in (conn, upstream):
+        monkeypatch.setattr(module, "get_device", lambda: SimpleNamespace(device="cuda"))
+
+    def prefill():
+        return SimpleNamespace(
+            _dcp_pack_buffers=None, kv_args=SimpleNamespace(kv_item_lens=[4096], page_size=1, gpu_id=0),
+            is_mla_backend=mla, is_hybrid_mla_backend=False, transfer_queues=[0] * 4,
+            _register_staging_memory=lambda ptr, size: None,
+        )
+
+    ours, theirs = prefill(), prefill()
+    conn.CommonKVManager._init_dcp_pack_buffers_once(ours, 2, include_draft=True)
+    if mla:  # 0.5.23's allocation, unchanged
+        upstream.CommonKVManager._init_dcp_pack_buffers_once(theirs, 2, include_draft=True)
+        assert allocated == [(4, 2), (4, 2)] and ours._dcp_pack_buffers == theirs._dcp_pack_buffers == ["buffer"] * 4
+    else:
+        assert allocated == [] and ours._dcp_pack_buffers == []
+        conn.CommonKVManager._init_dcp_pack_buffers_once(ours, 2, include_draft=True)  # every registration
+        assert allocated == []

@@ -553,7 +553,10 @@ PREFIX_TESTS = {
         "qwen3_5_mtp_draft_is_accepted or other_than_its_mtp_layer or (in_the_mode and dcp4)",
     ],
     # (plain TP's reads: the mode's FP8 pools are tested at its own prefixes, test_helix_attention.py)
-    "[CPU] FP8 KV cache without AMX: store FP8, dequantize what torch attention reads": [
+    "[torch_native] FP8 KV cache: the write divides K/V by the layer's scales, the reads multiply them back": [
+        "test/test_helix_fp8_kv.py", "-m", "not e2e", "-k", "plain_tp",
+    ],
+    "[CPU] FP8 KV cache without AMX: the platform-independent FP8 pool, which torch attention reads": [
         "test/test_helix_fp8_kv.py", "-m", "not e2e", "-k", "plain_tp",
     ],
     "[DCP] EAGLE: the Llama draft head opts in as a draft": [
@@ -561,7 +564,7 @@ PREFIX_TESTS = {
         "(speculative or speculation_keeps) and not pd-decode",  # (PD's checks: the PD patch)
     ],
     "[CPU] Disaggregation: prefill/decode disaggregation on the CPU engine": [
-        "test/test_helix_pd_e2e.py", "-k", "plain_pd_pair",
+        "test/test_helix_pd_e2e.py", "test/test_cpu_pd_paths.py", "-k", "plain_pd_pair or index_path",
     ],
     _PD_RELAYOUT: [
         "test/test_helix_pd.py", "test/test_helix_args.py", "-m", "not e2e", "-k",
@@ -605,8 +608,8 @@ PRS = [
     (0, "Two fixes: a prompt the pool cannot hold, an argument error at launch", "[Scheduler] ", "[Server] "),
     (1, "[DCP] fixes: GQA K/V, the Triton extend, drafts, the fused write",
      "[DCP] GQA models replicate K/V", "[DCP] The fused rope + KV write is off"),
-    (2, "[torch_native] Decode context parallelism and speculative decoding",
-     "[torch_native] Decode context parallelism", "[torch_native] Speculative draft decode"),
+    (2, "[torch_native] Decode context parallelism, speculative decoding, FP8 KV scales",
+     "[torch_native] Decode context parallelism", "[torch_native] FP8 KV cache: the write divides"),
     (3, "[CPU] DCP on the CPU engine; FP8 and Qwen3.5 without AMX", "[Distributed] Do not create a PyNccl",
      "[CPU] FP8 KV cache without AMX"),
     (4, "[DCP] The GQA mode: replicated Q over tp / dcp, one All-to-All, models opting in",

@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from functools import lru_cache
 from types import ModuleType
 
@@ -32,5 +33,23 @@ def pristine_module(rel: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
+    with _metrics_registered_once():
+        spec.loader.exec_module(module)
     return module
+
+
+@contextmanager
+def _metrics_registered_once():
+    """A module that defines Prometheus metrics at import (mooncake/conn.py) registers them once:
+    the installed copy has, so the pristine copy's metrics stay out of the registry."""
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        yield
+        return
+    register = REGISTRY.register
+    REGISTRY.register = lambda collector: None
+    try:
+        yield
+    finally:
+        REGISTRY.register = register
