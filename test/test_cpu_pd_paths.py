@@ -1,4 +1,4 @@
-"""The CPU engine's PD changes (patch 0017) leave every other device on 0.5.23's code (issue 79):
+"""The CPU engine's PD changes (patch 0018) leave every other device on 0.5.23's code (issue 79):
 each hunk tests for the CPU engine, and the code with that test taken out is the pinned wheel's."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ if STUB_DIR not in sys.path:
 
 
 def test_the_prefills_index_path_off_the_cpu_engine_is_0_5_23s():
-    """The CPU engine's prefill sends host indices on the plain path (patch 0017); on every other
+    """The CPU engine's prefill sends host indices on the plain path (patch 0018); on every other
     device ``_send_kv_chunk`` is 0.5.23's: its syntax tree, with the CPU-engine term of that one
     condition removed, equals the pinned wheel's."""
     from sglang.srt.disaggregation import prefill

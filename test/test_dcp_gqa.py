@@ -372,7 +372,7 @@ CASES = [
     # upstream's own Triton DCP (interpreted: ~5 min a server), with the series' K/V partition
     ("dcp4-triton", "triton", ["--tp", "4", "--dcp-size", "4"] + _CAPACITY, False),
 ]
-# dcp4-triton found two bugs on 2026-11-25 (patches 0010 and 0012): the CPU engine allocated outside
+# dcp4-triton found two bugs on 2026-11-25 (patches 0011 and 0013): the CPU engine allocated outside
 # DCP's pages, and the Triton DCP extend's prefix call took its GQA group from the K/V heads sliced
 # to this rank's Q shard (query heads 4-7 read KV head 0 after any prefix).
 _KNOWN = {}  # id -> reason: a case expected to fail (strict xfail)

@@ -39,7 +39,7 @@ What 0.5.23 lacks on the CPU, and the harness supplies: the verify's conv and GD
 (``sgl_kernel`` stub, ``qwen3_5_cpu_ops.VERIFY_ARGS``: the real CPU ops take none of them, and
 the wrapper raised ``TypeError: causal_conv1d_update_cpu() got an unexpected keyword argument
 'intermediate_conv_window'`` in every rank), and the commit of the accepted states after the verify
-(series patch 0044: 0.5.23's scatter takes CUDA/XPU tensors only).
+(series patch 0045: 0.5.23's scatter takes CUDA/XPU tensors only).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_mtp_speculation_serves_plain_tps_tokens(qwen3_5_dirs, mtp_dirs, server_
           f"all {got['seconds']:.0f} s (the draft knows {MTP_KNOWN_STEPS} tokens a prompt)")  # fmt: skip
 
 
-# DCP's GQA mode with the MTP draft (patch 0045): the MTP layer's attention in the target's layout
+# DCP's GQA mode with the MTP draft (patch 0046): the MTP layer's attention in the target's layout
 # (Q and its gate over tp / KVP, K/V replicated in the KVP group, its KV sharded along the
 # sequence), the Gated DeltaNet states through the verify upstream's. Each layout against plain
 # --tp 4 with the same draft (the case above): plain TP's tokens and logprobs within the float32

@@ -508,7 +508,7 @@ PREFIX_TESTS = {
         "test/test_helix_args.py", "-m", "not e2e", "-k",
         "not launch_server and not speculative and not speculation and not standalone and not tree_drafts "
         # (speculation is accepted from the EAGLE patch on; the PD checks come with the PD patch)
-        "and not ngram and not draft_config and not pd-prefill and not pd-decode",
+        "and not ngram and not draft_config and not pd-prefill and not pd-decode and not mtp_draft",
     ],
     "[DCP] Server args: speculation in the GQA mode, checked in the speculative step": [
         "test/test_helix_args.py", "-m", "not e2e", "-k", "the_speculative_step_checks_the_mode",
