@@ -50,6 +50,7 @@ class PDCluster:
         self.log_dir = log_dir
         self.router: subprocess.Popen | None = None
         self.router_port = free_port()
+        self.prometheus_port = free_port()
         self.url = f"http://127.0.0.1:{self.router_port}"
 
     def router_command(self) -> list:
@@ -60,6 +61,9 @@ class PDCluster:
             # A long prefill on a few CPU cores can starve a server's /health past the router's
             # default timeout, and the router then drops the worker mid-request.
             "--health-check-timeout-secs", "60", "--health-failure-threshold", "5",
+            # Its metrics exporter on a port of its own: the default (29000) is one per machine, and a
+            # second router (another test run's) panics at start ("Address already in use").
+            "--prometheus-port", str(self.prometheus_port),
         ]  # fmt: skip
 
     def start(self, wait_generate: bool = True) -> "PDCluster":
