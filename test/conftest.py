@@ -101,6 +101,25 @@ def qwen3_5_dirs(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="session")
+def mtp_dirs(tmp_path_factory):
+    """``mtp_dirs(model)``: the tiny Qwen3.5 checkpoint with its MTP layer (written once a session:
+    ``test_qwen3_5_mtp.py``'s plain-TP MTP servers are the references of the PD pairs with the
+    draft, ``test_helix_qwen3_5_pd.py``)."""
+    from sglang_helix.testing.qwen3_5_models import DENSE_MTP, MOE_MTP, write_qwen3_5_model
+
+    root = tmp_path_factory.mktemp("qwen3_5_mtp")
+    cache = {}
+
+    def make(model: str) -> str:
+        if model not in cache:
+            spec = {"dense": DENSE_MTP, "moe": MOE_MTP}[model]
+            cache[model] = write_qwen3_5_model(str(root / model), spec)
+        return cache[model]
+
+    return make
+
+
 def start_server(
     model_path: str, args: list[str], backend: str, log_dir: str, extra_env: dict | None = None
 ) -> CpuServer:

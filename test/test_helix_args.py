@@ -317,10 +317,10 @@ UNSUPPORTED = {
         _unsupported("the nixl KV transfer backend yet", "--disaggregation-transfer-backend nixl",
                      "Use --disaggregation-transfer-backend mooncake"),
     ),
-    "pd-decode-speculative": (
+    "pd-decode-speculative": (  # EAGLE (NEXTN) is served there (test_qwen3_5_pd_decode_with_the_mtp_draft_is_accepted)
         ["--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM"],
-        _unsupported("speculative decoding on a prefill/decode disaggregation decode server yet",
-                     "--speculative-algorithm NGRAM", "Drop --speculative-algorithm"),
+        _unsupported("NGRAM speculation on a prefill/decode disaggregation decode server yet",
+                     "--speculative-algorithm NGRAM", "Use --speculative-algorithm EAGLE (NEXTN), or drop --speculative-algorithm"),
     ),
     "lora": (
         ["--enable-lora"],
@@ -1377,6 +1377,33 @@ def test_qwen3_5_pd_decode_is_accepted(qwen3_5):
     pd = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
     cfg = view(resolve(path, [*args, *pd]))
     assert gqa_mode(cfg) and cfg.disaggregation_mode == "decode"
+
+
+@pytest.mark.parametrize("spelling", [["--helix-kvp-size", "2"], ["--dcp-size", "2", "--dcp-replicate-q-proj"]])
+@pytest.mark.parametrize("alg", ["NEXTN", "EAGLE"])
+def test_qwen3_5_pd_decode_with_the_mtp_draft_is_accepted(qwen3_5, alg, spelling):
+    """A Qwen3.5 PD decode server in the mode with its MTP draft (NEXTN, or EAGLE naming the
+    checkpoint) resolves: the draft's KV arrives relaid out like the target's (served:
+    test_helix_qwen3_5_pd.py::test_qwen3_5_mtp_draft_on_a_decode_in_the_mode)."""
+    path = qwen3_5()
+    pd = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
+    spec = ["--speculative-algorithm", alg, "--speculative-draft-model-path", path,
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
+    cfg = view(resolve(path, ["--tp", "4", *spelling, "--disable-radix-cache", *pd, *spec]))
+    assert gqa_mode(cfg) and cfg.disaggregation_mode == "decode" and cfg.speculative_algorithm == "EAGLE"
+
+
+def test_qwen3_5_pd_decode_with_another_draft_is_refused_in_one_line(qwen3_5):
+    """A STANDALONE draft on a PD decode server in the mode is refused in one line, naming the flag
+    (the mode's own check of a hybrid model's drafts comes later and says the same of it)."""
+    path = qwen3_5()
+    pd = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
+    spec = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", path]
+    message = helix_error(path, ["--tp", "4", "--helix-kvp-size", "2", "--disable-radix-cache", *pd, *spec])
+    assert message == _unsupported(
+        "STANDALONE speculation on a prefill/decode disaggregation decode server yet",
+        "--speculative-algorithm STANDALONE", "Use --speculative-algorithm EAGLE (NEXTN), or drop --speculative-algorithm",
+    ), message
 
 
 @pytest.mark.parametrize("alg", ["STANDALONE", "NGRAM"])

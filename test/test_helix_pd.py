@@ -196,10 +196,16 @@ def test_rank_mapping_refuses_sizes_that_do_not_divide():
         decode_reads(0, 4, 2, 3)
 
 
-def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2, n_layers=2, seed=0, pack=False):
+def _simulate(
+    P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2, n_layers=2, seed=0, pack=False, n_draft=0
+):  # fmt: skip
     """A prefill of ``prompt_len`` tokens sent in ``chunks`` (token counts, page multiples but the
-    last) to every decode rank by upstream's send; returns (decode pools, expected decode pools)."""
+    last) to every decode rank by upstream's send; returns (decode pools, expected decode pools).
+    ``n_draft`` more layers are a speculative draft's (the last K/V entries, ``num_draft_entries``):
+    on the prefill at the target's rows (upstream: a draft shares the target's token ids), on the
+    decode sharded like the target's (the mode's draft pool), so expected in Helix's layout too."""
     rng = np.random.default_rng(seed)
+    num_draft, n_layers = 2 * n_draft, n_layers + n_draft
     kv = rng.integers(0, 256, size=(n_layers, 2, prompt_len + decode_prefix_len, K, D_head), dtype=np.uint8)
     # prefill pools: per rank, per entry (layer K, layer V) [rows, heads_p, D_head]; random pages
     n_src_pages = 64
@@ -244,7 +250,7 @@ def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2
         for r in ranks:
             src = src_pools[r]
             rank = PrefillRank(r, P, K, [src[e].ctypes.data for e in range(entries)], [src[0, :S].nbytes] * entries,
-                               S, move=True, batch_indices=7)  # fmt: skip
+                               S, move=True, batch_indices=7, num_draft=num_draft)  # fmt: skip
             start = 0
             for size in chunks:
                 page_offset = start // S
@@ -261,7 +267,7 @@ def _simulate(P, N, KVP, K, S, prompt_len, chunks, decode_prefix_len=0, D_head=2
         # the decode rank, its transfer done: its pages back token-major (part-major when P > TPA)
         rows = localize_dcp_indices(locs[decode_prefix_len:].to(torch.int64), KVP, d % KVP, S).numpy()
         pages = np.unique(rows[rows >= 0] // S)
-        args = SimpleNamespace(kv_data_ptrs=dst_ptrs, kv_item_lens=dst_item, num_draft_entries=0, page_size=S,
+        args = SimpleNamespace(kv_data_ptrs=dst_ptrs, kv_item_lens=dst_item, num_draft_entries=num_draft, page_size=S,
                                total_kv_head_num=K, gpu_id=0)  # fmt: skip
         dcp_gqa.unpack_part_major(SimpleNamespace(kv_args=args, dcp_size=KVP, attn_tp_size=N), pages, P, "cpu")
         # each byte once: what every prefill rank sent is the decode rank's KV
@@ -297,6 +303,24 @@ def test_relayout_through_upstreams_pack_buffer(P, N, KVP, K):
     (a sub-slice as a strided row), then sent from it."""
     got, want = _simulate(P, N, KVP, K, 4, 37, [16, 16, 5], seed=P, pack=True)
     for d in range(N):
+        np.testing.assert_array_equal(got[d], want[d], err_msg=f"decode rank {d}")
+
+
+# A speculative draft's KV (Qwen3.5's MTP layer, an EAGLE head) on a decode in the mode: sharded like
+# its target (the KV cache patch), so its entries take the target's relayout -- the owned tokens at
+# the target's rows, the same head slice, part-major pages put back -- not upstream's replicated
+# draft path (every token at its widened id). Layouts: whole tokens, sub-slices (P < TPA), parts
+# (P > TPA), replicas (P > K), with and without upstream's pack buffer.
+@pytest.mark.parametrize(
+    "P,N,KVP,K,pack",
+    [(2, 4, 2, 2, False), (1, 4, 2, 2, False), (2, 4, 4, 2, False), (1, 4, 4, 2, False), (4, 4, 2, 4, False),
+     (8, 8, 2, 4, False), (16, 8, 2, 8, False), (1, 4, 2, 4, True), (16, 8, 2, 8, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("name,prompt_len,chunks,decode_prefix_len", CASES[:1] + CASES[-1:], ids=["partial", "prefix"])
+def test_a_drafts_kv_is_relaid_out_like_the_targets(P, N, KVP, K, pack, name, prompt_len, chunks, decode_prefix_len):
+    got, want = _simulate(P, N, KVP, K, 4, prompt_len, chunks, decode_prefix_len, seed=P + K, pack=pack, n_draft=1)
+    for d in range(N):
+        np.testing.assert_array_equal(got[d][-2:], want[d][-2:], err_msg=f"decode rank {d}: the draft's K/V")
         np.testing.assert_array_equal(got[d], want[d], err_msg=f"decode rank {d}")
 
 

@@ -53,14 +53,7 @@ import test_helix_qwen3_5 as helix
 import test_qwen3_5_harness as harness
 from conftest import FULL, start_server, stop_server
 from sglang_helix.testing import kv_checks
-from sglang_helix.testing.qwen3_5_models import (
-    DENSE,
-    DENSE_MTP,
-    MOE_MTP,
-    MTP_KNOWN_STEPS,
-    mtp_prompts,
-    write_qwen3_5_model,
-)
+from sglang_helix.testing.qwen3_5_models import DENSE, MTP_KNOWN_STEPS, mtp_prompts
 
 CHUNKED = helix.CHUNKED
 SPEC_META = ("completion_tokens", "spec_verify_ct", "spec_num_correct_drafts", "spec_accept_length",
@@ -80,21 +73,6 @@ CASES = {  # name: (model, speculation flags (the draft path filled in at run ti
     "moe-chain": ("moe", speculative("NEXTN", 3, 1, 4), 3),
 }
 FULL_TIER = {"dense-tree", "dense-eagle", "moe-chain"}
-
-
-@pytest.fixture(scope="session")
-def mtp_dirs(tmp_path_factory):
-    """``mtp_dirs(model)``: the tiny Qwen3.5 checkpoint with its MTP layer (written once)."""
-    root = tmp_path_factory.mktemp("qwen3_5_mtp")
-    cache = {}
-
-    def make(model: str) -> str:
-        if model not in cache:
-            spec = {"dense": DENSE_MTP, "moe": MOE_MTP}[model]
-            cache[model] = write_qwen3_5_model(str(root / model), spec)
-        return cache[model]
-
-    return make
 
 
 def test_the_mtp_checkpoint_adds_the_layer_to_the_same_target(qwen3_5_dirs, mtp_dirs):

@@ -50,15 +50,25 @@ def decode_reads(d: int, n: int, kvp: int, p: int):
 
 class PrefillRank:
     """Prefill rank ``rank`` of a plain ``--tp p`` server of a model with ``k`` KV heads, its K/V
-    entries at ``ptrs`` (pages of ``item_lens`` bytes). ``batches``: the block lists each
-    ``batch_transfer_sync`` took, as ``[B, 3]`` arrays ``(src, dst, bytes)``."""
+    entries at ``ptrs`` (pages of ``item_lens`` bytes), the last ``num_draft`` of them a speculative
+    draft's. ``batches``: the block lists each ``batch_transfer_sync`` took, as ``[B, 3]`` arrays
+    ``(src, dst, bytes)``."""
 
     send_kvcache_dcp = MooncakeKVManager.send_kvcache_dcp
     _transfer_data = MooncakeKVManager._transfer_data
     get_mla_kv_ptrs_with_pp = conn.CommonKVManager.get_mla_kv_ptrs_with_pp
 
     def __init__(
-        self, rank, p, k, ptrs, item_lens, page_size, move=False, batch_indices=0
+        self,
+        rank,
+        p,
+        k,
+        ptrs,
+        item_lens,
+        page_size,
+        move=False,
+        batch_indices=0,
+        num_draft=0,
     ):
         self.is_mla_backend = self.is_hybrid_mla_backend = (
             self.enable_custom_mem_pool
@@ -67,7 +77,7 @@ class PrefillRank:
         self.max_transfer_batch_indices = batch_indices
         self.kv_args = SimpleNamespace(
             page_size=page_size, kv_layer_ids=[], kv_data_ptrs=list(ptrs), kv_item_lens=list(item_lens),
-            num_draft_entries=0, engine_rank=rank, total_kv_head_num=k,
+            num_draft_entries=num_draft, engine_rank=rank, total_kv_head_num=k,
         )  # fmt: skip
         self.batches = []
 

@@ -6,7 +6,9 @@ rank owns. A plain ``--tp P`` prefill rank holds ``K / P`` heads of every positi
 head where ``P > K``). Upstream's DCP send (``send_kvcache_dcp``) moves owned tokens, packed into
 its DCP pack buffer where it has one, in runs; ``head_slice_rows`` gives it, per prefill rank, the
 share of the decode rank's slice that upstream's ``compute_head_slice_params`` names, as rows of
-items of that share's width, so the same send moves it in pages, each byte once.
+items of that share's width, so the same send moves it in pages, each byte once. A speculative
+draft's pool is sharded like its target's in the mode, so its entries (``num_draft_entries``) take
+the same rows and slices.
 """
 
 from __future__ import annotations
@@ -112,8 +114,9 @@ def unpack_part_major(
     kv_mgr, pages: np.ndarray, prefill_tp_size: int, device: str
 ) -> None:
     """Put a decode rank's received ``pages`` back token-major where ``m = min(P, K) / TPA > 1``
-    prefill ranks each wrote a part of its tokens: each K/V entry's page holds the ``m`` blocks of
-    ``page_size`` rows ``head_slice_rows`` placed part-major, made ``[page_size, m, part bytes]``.
+    prefill ranks each wrote a part of its tokens: each K/V entry's page (a speculative draft's
+    too: its pool is sharded like the target's) holds the ``m`` blocks of ``page_size`` rows
+    ``head_slice_rows`` placed part-major, made ``[page_size, m, part bytes]``.
     """
     args = kv_mgr.kv_args
     parts = (
@@ -126,9 +129,8 @@ def unpack_part_major(
     import torch
 
     device = "cpu" if device == "cpu" else f"{device}:{args.gpu_id}"
-    num_target = len(args.kv_data_ptrs) - args.num_draft_entries
     top = int(pages.max()) + 1
-    for ptr, size in zip(args.kv_data_ptrs[:num_target], args.kv_item_lens):
+    for ptr, size in zip(args.kv_data_ptrs, args.kv_item_lens):  # a draft's entries too
         flat = _bytes_at(ptr, top * size, device).view(top, size)
         idx = torch.as_tensor(pages, device=flat.device)
         got = flat.index_select(0, idx).view(pages.size, parts, args.page_size, -1)
@@ -158,14 +160,26 @@ def layout_mismatch(
     dst_attn_tp_size: int,
     dst_dcp_size: int,
     replicated_heads: bool,
+    num_draft_entries: int = 0,
 ) -> Optional[str]:
     """Why a prefill's K/V token items cannot fill a GQA DCP decode's head slices, or None. All of a
     model's heads span the same bytes on both sides, unless the prefill replicates heads (``P > K``
     on a GPU: ``replicated_heads``; the CPU engine pads a model's KV heads to a multiple of ``P``
-    instead, a layout no decode shares)."""
+    instead, a layout no decode shares). The last ``num_draft_entries`` entries are a speculative
+    draft's, sharded like the target's and sent with the target's head slice (the model's K/V
+    heads, as upstream's head-sliced send slices every entry): each must hold a target entry's
+    bytes a token on both sides."""
     tpa = dst_attn_tp_size // dst_dcp_size
     if len(src_item_lens) != len(dst_item_lens):
         return f"the decode registered {len(dst_item_lens)} KV buffers, the prefill has {len(src_item_lens)}"
+    num_target = len(src_item_lens) - num_draft_entries
+    for side, lens in (("prefill", src_item_lens), ("decode", dst_item_lens)):
+        if num_draft_entries and set(lens[num_target:]) != {lens[0]}:
+            return (
+                f"PD decode DCP (GQA): the {side}'s speculative draft holds {sorted(set(lens[num_target:]))} "
+                f"bytes a KV page, its target {lens[0]}: the draft's KV is sent in the target's head "
+                "slices, so its K/V heads and head dim must be the target model's"
+            )
     for s, d in zip(src_item_lens, dst_item_lens):
         src_span, dst_span = s // page_size * src_attn_tp_size, d // page_size * tpa
         if src_span == dst_span or (
