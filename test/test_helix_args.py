@@ -1267,9 +1267,8 @@ def test_plain_dcp_speculation_is_refused_at_launch(model, backend, size_flag, a
     assert message == _plain_dcp_speculation_refusal(backend, alg)
 
 
-def test_plain_dcp_speculation_on_an_mla_model_resolves_as_upstream(tmp_path):
-    """An MLA model keeps 0.5.23's resolution under --dcp-size with speculation on triton (resolution
-    only: a DeepSeek-V3 config, no weights)."""
+def _write_mla_config(path) -> None:
+    """A tiny DeepSeek-V3 (MLA) config, no weights: enough for argument resolution."""
     from transformers import DeepseekV3Config
 
     config = DeepseekV3Config(
@@ -1278,7 +1277,13 @@ def test_plain_dcp_speculation_on_an_mla_model_resolves_as_upstream(tmp_path):
         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
     )  # fmt: skip
     config.architectures = ["DeepseekV3ForCausalLM"]
-    config.save_pretrained(str(tmp_path))
+    config.save_pretrained(str(path))
+
+
+def test_plain_dcp_speculation_on_an_mla_model_resolves_as_upstream(tmp_path):
+    """An MLA model keeps 0.5.23's resolution under --dcp-size with speculation on triton (resolution
+    only: a DeepSeek-V3 config, no weights)."""
+    _write_mla_config(tmp_path)
     args = ["--tp", "2", "--dcp-size", "2", "--attention-backend", "triton", "--speculative-algorithm", "NGRAM"]
     cfg = view(resolve(str(tmp_path), args))
     assert (cfg.dcp_size, cfg.speculative_algorithm, cfg.attention_backend) == (2, "NGRAM", "triton")
@@ -1296,15 +1301,7 @@ def test_the_helix_spelling_on_an_mla_model_is_refused(tmp_path):
     """``--helix-kvp-size`` is DCP's GQA mode; on an MLA model replicated Q is upstream DCP's own, so
     the Helix spelling is refused there naming that spelling, not with a message about the interleave
     it set (resolution only: a DeepSeek-V3 config, no weights)."""
-    from transformers import DeepseekV3Config
-
-    config = DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-    )  # fmt: skip
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    config.save_pretrained(str(tmp_path))
+    _write_mla_config(tmp_path)
     for chunk in ("64", "1"):
         message = helix_error(str(tmp_path), ["--tp", "2", "--helix-kvp-size", "2", "--helix-kvp-chunk-size", chunk])
         assert message == (
