@@ -3,8 +3,8 @@
 A GQA decode server with ``--dcp-size D`` (``--tp N --helix-kvp-size D``) holds on each rank of a
 DCP group (consecutive TP ranks) one of ``TPA = N / D`` K/V head slices, of the positions its DCP
 rank owns. A plain ``--tp P`` prefill rank holds ``K / P`` heads of every position (one replicated
-head where ``P > K``). Upstream's DCP send (``send_kvcache_dcp``) moves owned tokens, packed into
-its DCP pack buffer where it has one, in runs; ``head_slice_rows`` gives it, per prefill rank, the
+head where ``P > K``). Upstream's DCP send (``send_kvcache_dcp``) moves owned tokens in runs (a GQA
+prefill allocates no DCP pack buffer: the send goes from the pool); ``head_slice_rows`` gives it, per prefill rank, the
 share of the decode rank's slice that upstream's ``compute_head_slice_params`` names, as rows of
 items of that share's width, so the same send moves it in pages, each byte once. A speculative
 draft's pool is sharded like its target's in the mode, so its entries (``num_draft_entries``) take
